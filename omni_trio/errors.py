@@ -1,0 +1,143 @@
+"""The whole omni-trio exception tree.
+
+Every error omni-trio raises is an instance of :class:`OmniTrioError`. Messages state the
+constraint that was broken (which stage, which config path, which request), so that one
+line in a log is enough to act on.
+
+```
+OmniTrioError
+ +-- ConfigError (also ValueError)            a pipeline config is invalid
+ +-- InvalidRequestError (also ValueError)    a generate()/abort() argument is invalid
+ |    +-- DuplicateRequestError               request_id already in flight
+ +-- EngineClosedError                        the engine session has ended
+ +-- EngineOverloadedError                    admission limit reached
+ +-- StageStartError                          a stage failed or timed out while starting
+ +-- StageError                               a stage failed one request
+ |    +-- ReplicaDeadError                    the replica serving the request died
+ |    |    +-- NoLiveReplicaError             the stage has no live replica left
+ |    +-- StageRPCError                       a collective_rpc call failed in a stage
+ +-- CollectiveRPCTimeoutError (also TimeoutError)
+ +-- BackendUnavailableError (also ImportError) an optional dependency is missing
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "BackendUnavailableError",
+    "CollectiveRPCTimeoutError",
+    "ConfigError",
+    "DuplicateRequestError",
+    "EngineClosedError",
+    "EngineOverloadedError",
+    "InvalidRequestError",
+    "NoLiveReplicaError",
+    "OmniTrioError",
+    "ReplicaDeadError",
+    "StageError",
+    "StageRPCError",
+    "StageStartError",
+]
+
+
+class OmniTrioError(Exception):
+    """Base class of every error raised by omni-trio."""
+
+
+class ConfigError(OmniTrioError, ValueError):
+    """A pipeline configuration is invalid.
+
+    ``source`` is the file it came from (or ``"<dict>"``), ``path`` the JSON path of the
+    offending value (``$.stages[1].inputs``), ``reason`` what is wrong with it.
+    """
+
+    def __init__(self, reason: str, *, path: str = "$", source: str | None = None) -> None:
+        self.reason = reason
+        self.path = path
+        self.source = source or "<dict>"
+        super().__init__(f"{self.source}: {path}: {reason}")
+
+
+class InvalidRequestError(OmniTrioError, ValueError):
+    """An argument of a request (prompt, sampling params, stage ids) is invalid."""
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """A request with the same ``request_id`` is already in flight."""
+
+
+class EngineClosedError(OmniTrioError):
+    """The engine session has ended (or is ending); it accepts no more work.
+
+    Also raised in the consumer of a request that was still in flight when the engine
+    closed, if it had not yet been given a terminal output.
+    """
+
+
+class EngineOverloadedError(OmniTrioError):
+    """The engine's admission limit (``max_requests_in_flight``) is reached."""
+
+
+class StageStartError(OmniTrioError):
+    """A stage failed to start, or did not start within its ``stage_init_timeout``."""
+
+    def __init__(self, stage_id: str, reason: str) -> None:
+        self.stage_id = stage_id
+        self.reason = reason
+        super().__init__(f"stage {stage_id!r} failed to start: {reason}")
+
+
+class StageError(OmniTrioError):
+    """A stage failed one request. Only that request is affected."""
+
+    def __init__(
+        self, message: str, *, stage_id: str | None = None, request_id: str | None = None
+    ) -> None:
+        self.stage_id = stage_id
+        self.request_id = request_id
+        super().__init__(message)
+
+
+class ReplicaDeadError(StageError):
+    """The replica serving the request died; the request cannot complete there.
+
+    The engine keeps serving on the stage's other replicas.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage_id: str | None = None,
+        request_id: str | None = None,
+        replica: int | None = None,
+    ) -> None:
+        self.replica = replica
+        super().__init__(message, stage_id=stage_id, request_id=request_id)
+
+
+class NoLiveReplicaError(ReplicaDeadError):
+    """Every replica of a stage is dead; the stage cannot take new requests."""
+
+
+class StageRPCError(StageError):
+    """A ``collective_rpc`` call raised inside a stage replica."""
+
+
+class CollectiveRPCTimeoutError(OmniTrioError, TimeoutError):
+    """``collective_rpc`` timed out; ``pending`` names the stage replicas that did not answer."""
+
+    def __init__(self, method: str, timeout: float, pending: Sequence[str]) -> None:
+        self.method = method
+        self.timeout = timeout
+        self.pending = tuple(pending)
+        super().__init__(
+            f"collective_rpc({method!r}) did not complete within {timeout}s; "
+            f"no answer from: {', '.join(self.pending)}"
+        )
+
+
+class BackendUnavailableError(OmniTrioError, ImportError):
+    """A stage backend needs an optional dependency that is not installed."""

@@ -1,0 +1,135 @@
+"""Public value types: what flows between stages and what callers receive.
+
+All of them are immutable. ``token_ids`` and ``text`` are always *deltas*: the new part
+produced since the previous output of the same stage for the same request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "EngineStatistics",
+    "OmniOutput",
+    "ReplicaStatistics",
+    "StageInput",
+    "StageOutput",
+    "StageStatistics",
+]
+
+FINISH_ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class StageInput:
+    """One chunk of input to a stage for one request.
+
+    The entry stage receives exactly one chunk built from the prompt. A downstream stage
+    receives one chunk (the processed, finished upstream output) or, with
+    ``stream_input: true``, one chunk per upstream delta; ``final`` marks the last chunk.
+    """
+
+    prompt: str | None = None
+    token_ids: tuple[int, ...] = ()
+    data: Any = None
+    final: bool = True
+    source: str | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"StageInput(prompt={self.prompt!r}, token_ids=<{len(self.token_ids)}>, "
+            f"data={type(self.data).__name__}, final={self.final}, source={self.source!r})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StageOutput:
+    """One streamed output of a stage backend for one request (a delta)."""
+
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    data: Any = None
+    finished: bool = False
+    finish_reason: str | None = None
+    metrics: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OmniOutput:
+    """One output delivered to a caller of ``Engine.generate``.
+
+    ``stage_id`` names the stage that produced it and ``stage_index`` its position in the
+    pipeline; ``kind`` is the stage's ``output_type`` (text, tokens, audio, image, tensor).
+    ``token_ids`` and ``text`` are deltas; ``data`` carries non-text payloads (an audio
+    chunk, an image). ``finished`` is true on the last output of that stage; its
+    ``finish_reason`` is the backend's ("stop", "length", ...) or ``"abort"``.
+    """
+
+    request_id: str
+    stage_id: str
+    stage_index: int
+    kind: str
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    data: Any = None
+    finished: bool = False
+    finish_reason: str | None = None
+    metrics: Mapping[str, Any] | None = None
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == FINISH_ABORT
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatistics:
+    """A snapshot of one stage replica."""
+
+    replica: int
+    alive: bool
+    requests_in_flight: int
+    requests_finished: int
+    requests_aborted: int
+    requests_failed: int
+
+
+@dataclass(frozen=True, slots=True)
+class StageStatistics:
+    """A snapshot of one stage: its replicas and the requests bound to it."""
+
+    stage_id: str
+    stage_index: int
+    backend: str
+    requests_in_flight: int
+    live_replicas: int
+    replicas: tuple[ReplicaStatistics, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatistics:
+    """A snapshot of an engine session. ``requests_in_flight == 0`` after every request ended
+    and every stage shows zero in flight: nothing of any request is left behind."""
+
+    requests_in_flight: int
+    requests_finished: int
+    requests_aborted: int
+    requests_failed: int
+    requests_total: int
+    closed: bool
+    stages: tuple[StageStatistics, ...] = field(default_factory=tuple)
+
+    @property
+    def stage_requests_in_flight(self) -> int:
+        return sum(s.requests_in_flight for s in self.stages)
+
+    def stage(self, stage_id: str) -> StageStatistics:
+        for s in self.stages:
+            if s.stage_id == stage_id:
+                return s
+        raise KeyError(stage_id)
+
+
+def stage_stats_by_id(stats: Sequence[StageStatistics]) -> dict[str, StageStatistics]:
+    return {s.stage_id: s for s in stats}
