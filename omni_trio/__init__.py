@@ -1,0 +1,60 @@
+"""omni-trio: a trio-native structured-concurrency engine for multi-stage inference."""
+
+from .config import PipelineConfig, StageConfig, load_config
+from .engine import Engine, open_engine
+from .errors import (
+    BackendUnavailableError,
+    CollectiveRPCTimeoutError,
+    ConfigError,
+    DuplicateRequestError,
+    EngineClosedError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    NoLiveReplicaError,
+    OmniTrioError,
+    ReplicaDeadError,
+    StageError,
+    StageRPCError,
+    StageStartError,
+)
+from .outputs import (
+    EngineStatistics,
+    OmniOutput,
+    ReplicaStatistics,
+    StageInput,
+    StageOutput,
+    StageStatistics,
+)
+from .stages._abc import StageBackend
+from .streams import RequestStream
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailableError",
+    "CollectiveRPCTimeoutError",
+    "ConfigError",
+    "DuplicateRequestError",
+    "Engine",
+    "EngineClosedError",
+    "EngineOverloadedError",
+    "EngineStatistics",
+    "InvalidRequestError",
+    "NoLiveReplicaError",
+    "OmniOutput",
+    "OmniTrioError",
+    "PipelineConfig",
+    "ReplicaDeadError",
+    "ReplicaStatistics",
+    "RequestStream",
+    "StageBackend",
+    "StageConfig",
+    "StageError",
+    "StageInput",
+    "StageOutput",
+    "StageRPCError",
+    "StageStartError",
+    "StageStatistics",
+    "load_config",
+    "open_engine",
+]

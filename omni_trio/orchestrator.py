@@ -1,0 +1,446 @@
+"""The orchestrator: one task per request, routing outputs through the stage graph.
+
+Each request runs as one task in the engine's nursery, under its own cancel scope (abort =
+cancel that scope). Inside it, one task per active stage runs the request on that stage's
+pool; a stage's outputs go to the caller (if it is an output stage) and to its downstream
+stages' input channels (through their input processors), as they arrive: no timer, no
+polling. Every channel is bounded, so a slow caller slows the stages down instead of
+queueing without limit. When the request task ends, nothing of the request is left here or
+in any stage: :meth:`Orchestrator.statistics` and the pools' statistics prove it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from .config import PipelineConfig, topological_order
+from .errors import (
+    DuplicateRequestError,
+    EngineClosedError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    OmniTrioError,
+    StageError,
+)
+from .outputs import FINISH_ABORT, OmniOutput, StageInput, StageOutput
+from .stages._abc import StageAborted
+from .stages.pool import StagePool
+from .stages.processors import InputProcessor, load_processor
+
+__all__ = ["Orchestrator", "RequestPlan", "RequestState", "plan_request", "resolve_sampling_params"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPlan:
+    """Which stages a request runs on (graph order) and which of them the caller receives."""
+
+    active: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def _stage_ref(cfg: PipelineConfig, ref: str | int, what: str) -> str:
+    if isinstance(ref, int) and not isinstance(ref, bool):
+        if 0 <= ref < len(cfg.stages):
+            return cfg.stages[ref].id
+        raise InvalidRequestError(
+            f"{what} {ref} is not a stage index (the pipeline has {len(cfg.stages)} stages)"
+        )
+    if isinstance(ref, str) and ref in cfg.stage_ids:
+        return ref
+    raise InvalidRequestError(f"{what} {ref!r} is not a stage of the pipeline; stages are {cfg.stage_ids}")
+
+
+def plan_request(
+    cfg: PipelineConfig,
+    final_stage_id: str | int | None = None,
+    output_stages: Sequence[str | int] | None = None,
+) -> RequestPlan:
+    """Decide a request's stages (pure). Raises InvalidRequestError naming the bad stage.
+
+    With ``final_stage_id`` only that stage and what it depends on run; the default
+    ``output_stages`` are the ``final_output`` stages among those, plus the final stage.
+    """
+    allowed = set(cfg.stage_ids)
+    final: str | None = None
+    if final_stage_id is not None:
+        final = _stage_ref(cfg, final_stage_id, "final_stage_id")
+        allowed = cfg.ancestors(final) | {final}
+    if output_stages is None:
+        outs = [s for s in cfg.final_output_stages if s in allowed]
+        if final is not None and final not in outs:
+            outs.append(final)
+    else:
+        if isinstance(output_stages, (str, int)):
+            output_stages = [output_stages]
+        outs = []
+        for ref in output_stages:
+            sid = _stage_ref(cfg, ref, "output stage")
+            if sid not in allowed:
+                raise InvalidRequestError(
+                    f"output stage {sid!r} does not run when final_stage_id is {final!r}: "
+                    f"only {sorted(allowed)} do"
+                )
+            if sid not in outs:
+                outs.append(sid)
+    if not outs:
+        raise InvalidRequestError("the request has no output stage: output_stages is empty")
+    needed: set[str] = set()
+    for sid in outs:
+        needed |= cfg.ancestors(sid) | {sid}
+    active = tuple(s for s in topological_order(cfg) if s in needed)
+    order = cfg.stage_ids
+    return RequestPlan(active=active, outputs=tuple(sorted(outs, key=order.index)))
+
+
+def resolve_sampling_params(cfg: PipelineConfig, value: Any) -> dict[str, Any]:
+    """Per-stage sampling params (pure): ``value`` is one value for all stages, a list (one per
+    stage), or a dict keyed by stage id (or index). Plain dicts are merged over each stage's
+    ``default_sampling_params``; other objects (a vLLM ``SamplingParams``) pass unchanged."""
+    ids = cfg.stage_ids
+    per_stage: dict[str, Any]
+    if value is None:
+        per_stage = {sid: None for sid in ids}
+    elif isinstance(value, (list, tuple)):
+        if len(value) != len(ids):
+            raise InvalidRequestError(
+                f"sampling_params as a list needs one entry per stage ({len(ids)}: {ids}), "
+                f"got {len(value)}"
+            )
+        per_stage = dict(zip(ids, value, strict=True))
+    elif isinstance(value, Mapping) and value and all(
+        (isinstance(k, str) and k in ids) or (isinstance(k, int) and 0 <= k < len(ids))
+        for k in value
+    ):
+        per_stage = {sid: None for sid in ids}
+        for k, v in value.items():
+            per_stage[ids[k] if isinstance(k, int) else k] = v
+    else:
+        per_stage = {sid: value for sid in ids}
+    out: dict[str, Any] = {}
+    for st in cfg.stages:
+        v = per_stage[st.id]
+        if v is None:
+            out[st.id] = dict(st.default_sampling_params)
+        elif isinstance(v, Mapping):
+            out[st.id] = {**st.default_sampling_params, **v}
+        else:
+            out[st.id] = v
+    return out
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Everything the orchestrator holds for one request; dropped when the request ends."""
+
+    request_id: str
+    plan: RequestPlan
+    send: trio.MemorySendChannel[OmniOutput]
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    done: trio.Event = field(default_factory=trio.Event)
+    produced: list[OmniOutput] = field(default_factory=list)
+    finished_stages: set[str] = field(default_factory=set)
+    tail: list[OmniOutput] = field(default_factory=list)
+    error: BaseException | None = None
+    status: str = "running"  # running | finished | aborted | failed
+    closing: bool = False
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.scope.cancel()
+
+    def __repr__(self) -> str:
+        return (
+            f"<RequestState {self.request_id!r} {self.status} stages={list(self.plan.active)} "
+            f"finished={sorted(self.finished_stages)} outputs={len(self.produced)}>"
+        )
+
+
+class _Feed:
+    """Collects upstream outputs for one downstream stage of one request and sends its input."""
+
+    def __init__(
+        self,
+        stage_id: str,
+        upstream: Sequence[str],
+        stream: bool,
+        processor: InputProcessor,
+        options: Mapping[str, Any],
+        send: trio.MemorySendChannel[StageInput],
+    ) -> None:
+        self.stage_id = stage_id
+        self.pending = set(upstream)
+        self.order = list(upstream)
+        self.stream = stream
+        self.processor = processor
+        self.options = options
+        self.send = send
+        self.collected: dict[str, list[StageOutput]] = {u: [] for u in upstream}
+
+    async def on_output(self, source: str, out: StageOutput) -> None:
+        if self.stream:
+            chunk = self.processor({source: [out]}, final=False, options=self.options)
+            if chunk is not None:
+                await self.send.send(chunk)
+        else:
+            self.collected[source].append(out)
+
+    async def on_finished(self, source: str) -> None:
+        self.pending.discard(source)
+        if self.pending:
+            return
+        if self.stream:
+            chunk = self.processor({}, final=True, options=self.options)
+        else:
+            chunk = self.processor(
+                {u: self.collected[u] for u in self.order}, final=True, options=self.options
+            )
+        self.collected = {}
+        if chunk is not None:
+            await self.send.send(chunk)
+        await self.send.aclose()
+
+
+class Orchestrator:
+    """Runs requests through the stage graph. Owned by an :class:`~omni_trio.engine.Engine`."""
+
+    def __init__(self, config: PipelineConfig, pools: Mapping[str, StagePool]) -> None:
+        self.config = config
+        self.pools = dict(pools)
+        self._nursery: trio.Nursery | None = None
+        self._requests: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+        self._processors = {
+            st.id: load_processor(
+                st.input_processor, where=f"$.stages[{i}].input_processor", source=config.source
+            )
+            for i, st in enumerate(config.stages)
+            if st.inputs
+        }
+        self._index = {sid: i for i, sid in enumerate(config.stage_ids)}
+        self.closed = False
+        self.n_finished = 0
+        self.n_aborted = 0
+        self.n_failed = 0
+        self.n_total = 0
+
+    def attach(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+    # -- admission -------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"omni-{next(self._ids)}"
+
+    def submit(
+        self, request_id: str, first_input: StageInput, plan: RequestPlan, params: dict[str, Any]
+    ) -> tuple[RequestState, trio.MemoryReceiveChannel[OmniOutput]]:
+        """Admit a request and start its task. Synchronous (no checkpoint).
+
+        Raises EngineClosedError, EngineOverloadedError, DuplicateRequestError.
+        """
+        if self.closed or self._nursery is None:
+            raise EngineClosedError("the engine is closed; it accepts no new requests")
+        if request_id in self._requests:
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
+        limit = self.config.max_requests_in_flight
+        if len(self._requests) >= limit:
+            raise EngineOverloadedError(
+                f"{len(self._requests)} requests in flight, the limit "
+                f"(max_requests_in_flight) is {limit}"
+            )
+        send, receive = trio.open_memory_channel[OmniOutput](self.config.output_buffer)
+        state = RequestState(request_id=request_id, plan=plan, send=send)
+        self._requests[request_id] = state
+        self.n_total += 1
+        self._nursery.start_soon(self._run_request, state, first_input, params, name=request_id)
+        return state, receive
+
+    # -- the request task ----------------------------------------------------------------------
+    async def _run_request(
+        self, state: RequestState, first_input: StageInput, params: dict[str, Any]
+    ) -> None:
+        plan = state.plan
+        try:
+            with state.scope:
+                async with trio.open_nursery() as nursery:
+                    inputs: dict[str, trio.MemoryReceiveChannel[StageInput]] = {}
+                    feeds: dict[str, list[_Feed]] = {sid: [] for sid in plan.active}
+                    for sid in plan.active:
+                        st = self.config.stage(sid)
+                        send, receive = trio.open_memory_channel[StageInput](
+                            self.config.output_buffer
+                        )
+                        inputs[sid] = receive
+                        if not st.inputs:
+                            send.send_nowait(first_input)
+                            send.close()
+                            continue
+                        feed = _Feed(
+                            sid,
+                            st.inputs,
+                            st.stream_input,
+                            self._processors[sid],
+                            st.processor_options,
+                            send,
+                        )
+                        for up in st.inputs:
+                            feeds[up].append(feed)
+                    for sid in plan.active:
+                        nursery.start_soon(
+                            self._run_stage, state, sid, inputs[sid], params[sid], feeds[sid]
+                        )
+        finally:
+            self._finish(state)
+
+    async def _run_stage(
+        self,
+        state: RequestState,
+        sid: str,
+        inputs: trio.MemoryReceiveChannel[StageInput],
+        sampling_params: Any,
+        feeds: list[_Feed],
+    ) -> None:
+        deliver = sid in state.plan.outputs
+        index = self._index[sid]
+        kind = self.config.stages[index].output_type
+        rid = state.request_id
+        last_finished = False
+
+        async def emit(out: StageOutput) -> None:
+            nonlocal last_finished
+            omni = OmniOutput(
+                request_id=rid,
+                stage_id=sid,
+                stage_index=index,
+                kind=kind,
+                text=out.text,
+                token_ids=tuple(out.token_ids),
+                data=out.data,
+                finished=out.finished,
+                finish_reason=out.finish_reason,
+                metrics=out.metrics,
+            )
+            state.produced.append(omni)
+            last_finished = out.finished
+            if deliver:
+                try:
+                    await state.send.send(omni)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    # the caller stopped listening: that is an abort
+                    state.scope.cancel()
+                    await trio.lowlevel.checkpoint()
+            for feed in feeds:
+                await feed.on_output(sid, out)
+
+        try:
+            async with inputs:
+                await self.pools[sid].run_request(rid, inputs, sampling_params, emit)
+            if not last_finished:
+                # the backend ended without a finished output; the caller still gets one
+                await emit(StageOutput(finished=True, finish_reason="stop"))
+            state.finished_stages.add(sid)
+            for feed in feeds:
+                await feed.on_finished(sid)
+        except StageAborted:
+            # dropped through a direct backend/pool abort: an abort, not a failure
+            state.scope.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            # a downstream stage of this request is gone: the request is failing already
+            if state.error is None and not state.scope.cancel_called:
+                state.fail(StageError(f"stage {sid!r}: downstream closed: {exc!r}", stage_id=sid))
+        except OmniTrioError as exc:
+            if isinstance(exc, StageError):
+                exc.request_id = exc.request_id or rid
+                exc.stage_id = exc.stage_id or sid
+            state.fail(exc)
+        except Exception as exc:
+            # e.g. a user input processor raising: that request fails, nothing else
+            err = StageError(
+                f"stage {sid!r} failed request {rid!r}: {type(exc).__name__}: {exc}",
+                stage_id=sid,
+                request_id=rid,
+            )
+            err.__cause__ = exc
+            state.fail(err)
+
+    def _finish(self, state: RequestState) -> None:
+        if state.error is not None:
+            state.status = "failed"
+            self.n_failed += 1
+        elif not set(state.plan.outputs) <= state.finished_stages:
+            state.status = "aborted"
+            self.n_aborted += 1
+            for sid in state.plan.outputs:
+                if sid not in state.finished_stages:
+                    index = self._index[sid]
+                    state.tail.append(
+                        OmniOutput(
+                            request_id=state.request_id,
+                            stage_id=sid,
+                            stage_index=index,
+                            kind=self.config.stages[index].output_type,
+                            finished=True,
+                            finish_reason=FINISH_ABORT,
+                        )
+                    )
+        else:
+            state.status = "finished"
+            self.n_finished += 1
+        state.send.close()
+        self._requests.pop(state.request_id, None)
+        state.done.set()
+
+    # -- control -----------------------------------------------------------------------------
+    def get(self, request_id: str) -> RequestState | None:
+        return self._requests.get(request_id)
+
+    def abort_nowait(self, request_id: str) -> bool:
+        """Cancel a request's scope; False if it is unknown or already finished. Synchronous."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return False
+        state.scope.cancel()
+        return True
+
+    async def abort(self, request_id: str) -> list[OmniOutput]:
+        """Abort and wait until every stage dropped the request; its outputs so far.
+
+        Checkpoints. Unknown or finished ids: ``[]``. Cancelling the caller does not undo the
+        abort (it is already requested) but stops the wait.
+        """
+        state = self._requests.get(request_id)
+        if state is None:
+            await trio.lowlevel.checkpoint()
+            return []
+        state.scope.cancel()
+        await state.done.wait()
+        return list(state.produced)
+
+    async def close(self) -> None:
+        """Stop admission, abort every request, wait until all are gone. Checkpoints."""
+        self.closed = True
+        states = list(self._requests.values())
+        for state in states:
+            state.closing = True
+            state.scope.cancel()
+        for state in states:
+            await state.done.wait()
+
+    @property
+    def requests_in_flight(self) -> int:
+        return len(self._requests)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Orchestrator {self.config.name!r} in_flight={len(self._requests)} "
+            f"finished={self.n_finished} aborted={self.n_aborted} failed={self.n_failed}"
+            f"{' closed' if self.closed else ''}>"
+        )

@@ -1,0 +1,190 @@
+"""The ``scripted`` backend: a deterministic, model-free stage that behaves like a real one.
+
+It is a product feature: users test their applications against it. Everything it does is on
+the trio clock, so under ``trio.testing.MockClock(autojump_threshold=0)`` a whole pipeline with
+latencies, hangs and crashes runs instantly and deterministically.
+
+Options (under the stage's ``options:``):
+
+``outputs`` (int, 8)            outputs per request, the last one ``finished``
+``latency_s`` (float, 0)        trio-clock delay before each output
+``fail_at_output`` (int|null)   raise a request-scoped :class:`StageError` at that output (0-based)
+``crash_at_request`` (int|null) the replica dies at its n-th request (1-based), failing every
+                                request bound to it with :class:`ReplicaDeadError`
+``hang`` (bool)                 requests never produce an output (until cancelled)
+``start_delay_s`` (float, 0)    trio-clock delay before the replica reports ready
+``fail_start`` (bool)           start-up raises
+``stop_delay_s`` (float, 0)     trio-clock delay while stopping
+``token_offset`` (int, 1)       see below
+
+What flows where: a request's input token ids ``T`` are the entry prompt's UTF-8 bytes (text
+prompts) or the token ids it was given. Output ``k`` carries ``token_ids == (T[k % len(T)] +
+token_offset,)`` and ``text == f"{stage_id}:{token} "``. So a chain of scripted stages adds
+``token_offset`` per hop, and a test can tell which stage's output reached which stage. With
+``stream_input: true`` output ``k`` is produced as soon as input token ``k`` has arrived.
+
+``received[request_id]`` records the input chunks a request brought, ``aborted`` the ids that
+were cancelled before finishing, ``completed`` those that finished; ``collective_rpc``
+answers ``echo`` (returns its args), ``sleep`` (sleeps ``args[0]`` seconds, returns it),
+``hang`` (never returns), ``stats`` (the replica's statistics) and ``fail`` (raises).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+
+from ..errors import ConfigError, StageError
+from ..outputs import StageInput, StageOutput
+from ._abc import Emit, InputStream, StageBackend
+
+__all__ = ["ScriptedBackend", "scripted_tokens"]
+
+_DEFAULTS: dict[str, Any] = {
+    "outputs": 8,
+    "latency_s": 0.0,
+    "fail_at_output": None,
+    "crash_at_request": None,
+    "hang": False,
+    "start_delay_s": 0.0,
+    "fail_start": False,
+    "stop_delay_s": 0.0,
+    "token_offset": 1,
+    "shutdown_timeout": 30.0,
+}
+
+
+def scripted_tokens(inputs: Sequence[int], n_outputs: int, offset: int = 1) -> list[int]:
+    """The token each output of a scripted stage carries, given its input tokens (pure)."""
+    if not inputs:
+        return [offset + k for k in range(n_outputs)]
+    return [inputs[k % len(inputs)] + offset for k in range(n_outputs)]
+
+
+def _input_tokens(chunk: StageInput) -> tuple[int, ...]:
+    if chunk.token_ids:
+        return chunk.token_ids
+    if chunk.prompt is not None:
+        return tuple(chunk.prompt.encode("utf-8"))
+    if isinstance(chunk.data, dict):
+        ids = chunk.data.get("prompt_token_ids")
+        if ids is not None:
+            return tuple(int(t) for t in ids)
+        if isinstance(chunk.data.get("prompt"), str):
+            return tuple(chunk.data["prompt"].encode("utf-8"))
+    return ()
+
+
+class ScriptedBackend(StageBackend):
+    """A deterministic, model-free stage replica. See the module docstring for its options."""
+
+    backend_name = "scripted"
+
+    def __init__(self, config: Any, *, stage_index: int, replica: int = 0) -> None:
+        super().__init__(config, stage_index=stage_index, replica=replica)
+        unknown = set(config.options) - set(_DEFAULTS)
+        if unknown:
+            raise ConfigError(
+                f"unknown scripted option(s) {sorted(unknown)}; known: {sorted(_DEFAULTS)}",
+                path=f"$.stages[{stage_index}].options",
+                source=None,
+            )
+        self.options: dict[str, Any] = {**_DEFAULTS, **config.options}
+        if int(self.options["outputs"]) < 1:
+            raise ConfigError(
+                "scripted option outputs must be >= 1",
+                path=f"$.stages[{stage_index}].options.outputs",
+            )
+        self.received: dict[str, list[StageInput]] = {}
+        self.aborted: list[str] = []
+        self.completed: list[str] = []
+        self.requests_seen = 0
+
+    async def _start(self) -> None:
+        await trio.sleep(float(self.options["start_delay_s"]))
+        if self.options["fail_start"]:
+            raise StageError(
+                f"scripted stage {self.name} was configured with fail_start: true",
+                stage_id=self.stage_id,
+            )
+
+    async def _stop(self) -> None:
+        await trio.sleep(float(self.options["stop_delay_s"]))
+
+    async def _run(
+        self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
+    ) -> None:
+        self.requests_seen += 1
+        crash_at = self.options["crash_at_request"]
+        if crash_at is not None and self.requests_seen >= int(crash_at):
+            self._die(
+                StageError(f"scripted crash at request {self.requests_seen}", stage_id=self.stage_id)
+            )
+            await trio.lowlevel.checkpoint()  # the scope is cancelled: this raises
+        n_outputs = int(self.options["outputs"])
+        if isinstance(sampling_params, dict) and "max_tokens" in sampling_params:
+            n_outputs = min(n_outputs, int(sampling_params["max_tokens"]))
+        fail_at = self.options["fail_at_output"]
+        latency = float(self.options["latency_s"])
+        offset = int(self.options["token_offset"])
+        chunks = self.received.setdefault(request_id, [])
+        tokens: list[int] = []
+        input_done = False
+        try:
+            if self.options["hang"]:
+                await trio.sleep_forever()
+            for k in range(n_outputs):
+                # wait until input token k is here (streamed input) or the input is complete
+                while not input_done and len(tokens) <= k:
+                    try:
+                        chunk = await inputs.receive()
+                    except trio.EndOfChannel:
+                        input_done = True
+                        break
+                    chunks.append(chunk)
+                    tokens.extend(_input_tokens(chunk))
+                    input_done = chunk.final
+                if latency:
+                    await trio.sleep(latency)
+                else:
+                    await trio.lowlevel.checkpoint()
+                if fail_at is not None and k == int(fail_at):
+                    raise StageError(
+                        f"scripted stage {self.name} was configured to fail at output {k} "
+                        f"(request {request_id!r})",
+                        stage_id=self.stage_id,
+                        request_id=request_id,
+                    )
+                token = scripted_tokens(tokens, k + 1, offset)[k] if tokens else offset + k
+                last = k == n_outputs - 1
+                await emit(
+                    StageOutput(
+                        token_ids=(token,),
+                        text=f"{self.stage_id}:{token} ",
+                        finished=last,
+                        finish_reason="length" if last else None,
+                        metrics={"output_index": k},
+                    )
+                )
+            self.completed.append(request_id)
+        except trio.Cancelled:
+            self.aborted.append(request_id)
+            raise
+
+    async def _rpc(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        if method == "echo":
+            return {"stage": self.stage_id, "replica": self.replica, "args": list(args), **kwargs}
+        if method == "sleep":
+            seconds = float(args[0]) if args else 0.0
+            await trio.sleep(seconds)
+            return seconds
+        if method == "hang":
+            await trio.sleep(math.inf)
+        if method == "stats":
+            return self.statistics()
+        if method == "fail":
+            raise StageError(f"rpc 'fail' on {self.name}", stage_id=self.stage_id)
+        return await super()._rpc(method, args, kwargs)
