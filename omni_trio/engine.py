@@ -26,6 +26,7 @@ from .errors import (
     StageRPCError,
     StageStartError,
 )
+from .observer import EngineObserver
 from .orchestrator import Orchestrator, plan_request, resolve_sampling_params
 from .outputs import EngineStatistics, OmniOutput, StageInput
 from .stages.pool import StagePool
@@ -271,6 +272,21 @@ class Engine:
         return results
 
     # -- introspection -------------------------------------------------------------------------
+    def add_observer(self, observer: EngineObserver) -> None:
+        """Attach an :class:`~omni_trio.observer.EngineObserver` (metrics, tracing)."""
+        self.orchestrator.observers.add(observer)
+
+    def init_phases(self) -> dict[str, list[dict[str, float]]]:
+        """Per stage, per replica: seconds from ``start`` to each recorded start-up phase."""
+        out: dict[str, list[dict[str, float]]] = {}
+        for sid, pool in self.pools.items():
+            rows = []
+            for r in pool.replicas:
+                t0 = r.timeline.get("start")
+                rows.append({k: v - t0 for k, v in r.timeline.items()} if t0 is not None else {})
+            out[sid] = rows
+        return out
+
     @property
     def closed(self) -> bool:
         return self._closed

@@ -28,6 +28,7 @@ from .errors import (
     OmniTrioError,
     StageError,
 )
+from .observer import ObserverSet, payload_nbytes
 from .outputs import FINISH_ABORT, OmniOutput, StageInput, StageOutput
 from .stages._abc import StageAborted
 from .stages.pool import StagePool
@@ -175,8 +176,12 @@ class _Feed:
         processor: InputProcessor,
         options: Mapping[str, Any],
         send: trio.MemorySendChannel[StageInput],
+        request_id: str = "",
+        observers: ObserverSet | None = None,
     ) -> None:
         self.stage_id = stage_id
+        self.request_id = request_id
+        self.observers = observers
         self.pending = set(upstream)
         self.order = list(upstream)
         self.stream = stream
@@ -189,6 +194,7 @@ class _Feed:
         if self.stream:
             chunk = self.processor({source: [out]}, final=False, options=self.options)
             if chunk is not None:
+                self._observe(source, chunk)
                 await self.send.send(chunk)
         else:
             self.collected[source].append(out)
@@ -205,8 +211,14 @@ class _Feed:
             )
         self.collected = {}
         if chunk is not None:
+            self._observe(",".join(self.order), chunk)
             await self.send.send(chunk)
         await self.send.aclose()
+
+    def _observe(self, source: str, chunk: StageInput) -> None:
+        if self.observers:
+            nbytes = payload_nbytes(chunk.token_ids, chunk.prompt, chunk.data)
+            self.observers.emit("transfer", self.request_id, source, self.stage_id, nbytes)
 
 
 class Orchestrator:
@@ -226,6 +238,7 @@ class Orchestrator:
             if st.inputs
         }
         self._index = {sid: i for i, sid in enumerate(config.stage_ids)}
+        self.observers = ObserverSet()
         self.closed = False
         self.n_finished = 0
         self.n_aborted = 0
@@ -260,6 +273,8 @@ class Orchestrator:
         state = RequestState(request_id=request_id, plan=plan, send=send)
         self._requests[request_id] = state
         self.n_total += 1
+        if self.observers:
+            self.observers.emit("request_started", request_id)
         self._nursery.start_soon(self._run_request, state, first_input, params, name=request_id)
         return state, receive
 
@@ -290,6 +305,8 @@ class Orchestrator:
                             self._processors[sid],
                             st.processor_options,
                             send,
+                            state.request_id,
+                            self.observers,
                         )
                         for up in st.inputs:
                             feeds[up].append(feed)
@@ -313,6 +330,8 @@ class Orchestrator:
         kind = self.config.stages[index].output_type
         rid = state.request_id
         last_finished = False
+        first = True
+        observers = self.observers
 
         async def emit(out: StageOutput) -> None:
             nonlocal last_finished
@@ -330,6 +349,9 @@ class Orchestrator:
             )
             state.produced.append(omni)
             last_finished = out.finished
+            if observers:
+                observers.emit("stage_output", rid, sid, first)
+            first = False
             if deliver:
                 try:
                     await state.send.send(omni)
@@ -340,13 +362,17 @@ class Orchestrator:
             for feed in feeds:
                 await feed.on_output(sid, out)
 
+        status = "aborted"
         try:
             async with inputs:
+                if observers:
+                    observers.emit("stage_started", rid, sid)
                 await self.pools[sid].run_request(rid, inputs, sampling_params, emit)
             if not last_finished:
                 # the backend ended without a finished output; the caller still gets one
                 await emit(StageOutput(finished=True, finish_reason="stop"))
             state.finished_stages.add(sid)
+            status = "finished"
             for feed in feeds:
                 await feed.on_finished(sid)
         except StageAborted:
@@ -370,6 +396,11 @@ class Orchestrator:
             )
             err.__cause__ = exc
             state.fail(err)
+        finally:
+            if state.error is not None and status != "finished":
+                status = "failed"
+            if observers:
+                observers.emit("stage_finished", rid, sid, status)
 
     def _finish(self, state: RequestState) -> None:
         if state.error is not None:
@@ -395,6 +426,8 @@ class Orchestrator:
             state.status = "finished"
             self.n_finished += 1
         state.send.close()
+        if self.observers:
+            self.observers.emit("request_finished", state.request_id, state.status)
         self._requests.pop(state.request_id, None)
         state.done.set()
 

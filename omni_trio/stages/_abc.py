@@ -20,6 +20,7 @@ outputs, replica death (``_die``) failing exactly the requests bound to this rep
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -91,6 +92,13 @@ class StageBackend(abc.ABC):
         self._n_finished = 0
         self._n_aborted = 0
         self._n_failed = 0
+        #: start-up phases -> time.perf_counter() (``start``, backend phases, ``ready``)
+        self.timeline: dict[str, float] = {}
+
+    def mark_phase(self, phase: str) -> None:
+        """Record a start-up phase (e.g. "thread_started", "engine_constructed",
+        "model_loaded"). Safe to call from a backend's worker thread."""
+        self.timeline[phase] = time.perf_counter()
 
     # -- what subclasses implement -------------------------------------------------------
     @abc.abstractmethod
@@ -135,7 +143,9 @@ class StageBackend(abc.ABC):
         30 s). Raises whatever ``_start`` raised if start-up fails.
         """
         try:
+            self.mark_phase("start")
             await self._start()
+            self.mark_phase("ready")
             self._ready = True
             task_status.started()
             await self._serve_forever()
