@@ -222,7 +222,7 @@ class Engine:
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
         stage_ids: Sequence[str | int] | None = None,
-        timeout: float | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (DESIGN.md's API)
     ) -> list[Any]:
         """Call ``method`` on every replica of the chosen stages (default all), concurrently.
 
@@ -314,7 +314,8 @@ class Engine:
             f"{p.stage_id}:{p.live_replicas}/{len(p.replicas)}" for p in self.pools.values()
         )
         return (
-            f"<Engine {self.config.name!r} {state} in_flight={self.orchestrator.requests_in_flight} "
+            f"<Engine {self.config.name!r} {state} "
+            f"in_flight={self.orchestrator.requests_in_flight} "
             f"stages=[{stages}]>"
         )
 

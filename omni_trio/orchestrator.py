@@ -56,7 +56,9 @@ def _stage_ref(cfg: PipelineConfig, ref: str | int, what: str) -> str:
         )
     if isinstance(ref, str) and ref in cfg.stage_ids:
         return ref
-    raise InvalidRequestError(f"{what} {ref!r} is not a stage of the pipeline; stages are {cfg.stage_ids}")
+    raise InvalidRequestError(
+        f"{what} {ref!r} is not a stage of the pipeline; stages are {cfg.stage_ids}"
+    )
 
 
 def plan_request(
@@ -116,9 +118,13 @@ def resolve_sampling_params(cfg: PipelineConfig, value: Any) -> dict[str, Any]:
                 f"got {len(value)}"
             )
         per_stage = dict(zip(ids, value, strict=True))
-    elif isinstance(value, Mapping) and value and all(
-        (isinstance(k, str) and k in ids) or (isinstance(k, int) and 0 <= k < len(ids))
-        for k in value
+    elif (
+        isinstance(value, Mapping)
+        and value
+        and all(
+            (isinstance(k, str) and k in ids) or (isinstance(k, int) and 0 <= k < len(ids))
+            for k in value
+        )
     ):
         per_stage = {sid: None for sid in ids}
         for k, v in value.items():
@@ -189,13 +195,25 @@ class _Feed:
         self.options = options
         self.send = send
         self.collected: dict[str, list[StageOutput]] = {u: [] for u in upstream}
+        self.closed = False
+
+    async def _send(self, chunk: StageInput) -> None:
+        try:
+            await self.send.send(chunk)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            # The downstream stage no longer reads its input: it finished on what it had,
+            # or it failed (then the request's scope is cancelled and the next checkpoint
+            # of this stage raises Cancelled). Either way nothing more goes there.
+            self.closed = True
 
     async def on_output(self, source: str, out: StageOutput) -> None:
+        if self.closed:
+            return
         if self.stream:
             chunk = self.processor({source: [out]}, final=False, options=self.options)
             if chunk is not None:
                 self._observe(source, chunk)
-                await self.send.send(chunk)
+                await self._send(chunk)
         else:
             self.collected[source].append(out)
 
@@ -210,9 +228,9 @@ class _Feed:
                 {u: self.collected[u] for u in self.order}, final=True, options=self.options
             )
         self.collected = {}
-        if chunk is not None:
+        if chunk is not None and not self.closed:
             self._observe(",".join(self.order), chunk)
-            await self.send.send(chunk)
+            await self._send(chunk)
         await self.send.aclose()
 
     def _observe(self, source: str, chunk: StageInput) -> None:
@@ -334,7 +352,7 @@ class Orchestrator:
         observers = self.observers
 
         async def emit(out: StageOutput) -> None:
-            nonlocal last_finished
+            nonlocal last_finished, first
             omni = OmniOutput(
                 request_id=rid,
                 stage_id=sid,

@@ -104,8 +104,14 @@ class RequestStream:
         return await self._orch.abort(self.request_id)
 
     async def collect(self) -> list[OmniOutput]:
-        """Read every remaining output into a list. Checkpoints; raises the request's error."""
-        return [out async for out in self]
+        """Read every remaining output into a list. Checkpoints; raises the request's error.
+
+        Outside ``async with`` it behaves as if inside one: cancelling it aborts the request
+        everywhere before it returns."""
+        if self._in_context:
+            return [out async for out in self]
+        async with self:
+            return [out async for out in self]
 
     def __aiter__(self) -> AsyncIterator[OmniOutput]:
         return self._iterate()
@@ -127,6 +133,5 @@ class RequestStream:
 
     def __repr__(self) -> str:
         return (
-            f"<RequestStream {self.request_id!r} {self.status} outputs="
-            f"{list(self.plan.outputs)}>"
+            f"<RequestStream {self.request_id!r} {self.status} outputs={list(self.plan.outputs)}>"
         )

@@ -39,6 +39,7 @@ __all__ = ["Emit", "InputStream", "StageAborted", "StageBackend", "collect_input
 class StageAborted(OmniTrioError):
     """Raised by ``run_request`` when the request was aborted through ``abort()``."""
 
+
 Emit = Callable[[StageOutput], Awaitable[None]]
 InputStream = trio.MemoryReceiveChannel[StageInput]
 
@@ -111,7 +112,7 @@ class StageBackend(abc.ABC):
         unless ``_die`` was called with a better reason."""
         await trio.sleep_forever()
 
-    async def _stop(self) -> None:
+    async def _stop(self) -> None:  # noqa: B027 (optional hook)
         """Release everything ``_start`` acquired. Runs shielded, bounded by the caller."""
 
     @abc.abstractmethod
@@ -273,7 +274,15 @@ class StageBackend(abc.ABC):
         )
 
     def __repr__(self) -> str:
-        state = "dead" if self._death else "alive" if self.alive else "stopped" if self._stopped else "starting"
+        state = (
+            "dead"
+            if self._death
+            else "alive"
+            if self.alive
+            else "stopped"
+            if self._stopped
+            else "starting"
+        )
         return (
             f"<{type(self).__name__} {self.name} {state} in_flight={len(self._running)} "
             f"finished={self._n_finished} aborted={self._n_aborted} failed={self._n_failed}>"
@@ -284,4 +293,3 @@ def no_live_replica(stage_id: str, request_id: str | None) -> NoLiveReplicaError
     return NoLiveReplicaError(
         f"stage {stage_id!r} has no live replica", stage_id=stage_id, request_id=request_id
     )
-

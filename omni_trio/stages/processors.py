@@ -112,7 +112,9 @@ def passthrough(
     return token_handoff(upstream, final=final, options={**(options or {}), "include_text": True})
 
 
-def load_processor(path: str | None, *, where: str = "$", source: str | None = None) -> InputProcessor:
+def load_processor(
+    path: str | None, *, where: str = "$", source: str | None = None
+) -> InputProcessor:
     """Resolve ``"package.module:function"`` (or ``None`` for the default). Raises ConfigError."""
     if path is None:
         return token_handoff
@@ -127,7 +129,9 @@ def load_processor(path: str | None, *, where: str = "$", source: str | None = N
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError(
-            f"cannot import input_processor module {module_name!r}: {exc}", path=where, source=source
+            f"cannot import input_processor module {module_name!r}: {exc}",
+            path=where,
+            source=source,
         ) from exc
     func = getattr(module, attr, None)
     if not callable(func):

