@@ -62,7 +62,16 @@ def create_backend(config: StageConfig, *, stage_index: int, replica: int) -> St
     factory = getattr(module, attr, None)
     if factory is None:
         raise ConfigError(f"backend module {module_name!r} has no {attr!r}", path=where)
-    backend = factory(config, stage_index=stage_index, replica=replica)
+    try:
+        backend = factory(config, stage_index=stage_index, replica=replica)
+    except (ConfigError, BackendUnavailableError):
+        raise
+    except Exception as exc:
+        raise ConfigError(
+            f"backend factory {config.backend!r} failed for stage {config.id!r}: "
+            f"{type(exc).__name__}: {exc}",
+            path=where,
+        ) from exc
     if not isinstance(backend, StageBackend):
         raise ConfigError(
             f"backend {config.backend!r} returned {type(backend).__name__}, "

@@ -1,0 +1,144 @@
+import pytest
+import trio
+import trio.lowlevel
+
+from omni_trio import ConfigError, ReplicaDeadError, StageError, load_config
+from omni_trio.outputs import StageInput
+from omni_trio.stages._abc import StageAborted, collect_input
+from omni_trio.stages.scripted import ScriptedBackend, scripted_tokens
+
+
+def backend(**options):
+    c = load_config({"stages": [{"id": "a", "final_output": True, "options": options}]})
+    return ScriptedBackend(c.stages[0], stage_index=0)
+
+
+def channel(*chunks):
+    send, receive = trio.open_memory_channel(len(chunks) or 1)
+    for c in chunks:
+        send.send_nowait(c)
+    send.close()
+    return receive
+
+
+def test_scripted_tokens_pure():
+    assert scripted_tokens([10, 20], 3) == [11, 21, 11]
+    assert scripted_tokens([], 2, offset=5) == [5, 6]
+
+
+async def run(b, rid, *chunks, params=None):
+    outs = []
+
+    async def emit(o):
+        outs.append(o)
+
+    await b.run_request(rid, channel(*chunks), params, emit)
+    return outs
+
+
+async def test_outputs_latency_and_records(autojump_clock):
+    b = backend(outputs=3, latency_s=2.0, token_offset=100)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.serve)
+        t0 = trio.current_time()
+        outs = await run(b, "r", StageInput(token_ids=(1, 2)))
+        assert trio.current_time() - t0 == pytest.approx(6.0)
+        assert [o.token_ids for o in outs] == [(101,), (102,), (101,)]
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+        assert b.received["r"][0].token_ids == (1, 2)
+        assert b.completed == ["r"]
+        outs = await run(b, "r2", StageInput(token_ids=(1,)), params={"max_tokens": 1})
+        assert len(outs) == 1 and outs[0].finished
+        assert b.statistics().requests_finished == 2
+        nursery.cancel_scope.cancel()
+    assert not b.alive
+
+
+async def test_fail_at_output_is_request_scoped(autojump_clock):
+    b = backend(outputs=5, fail_at_output=1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.serve)
+        with pytest.raises(StageError, match="fail at output 1"):
+            await run(b, "r", StageInput(prompt="x"))
+        assert b.alive and b.statistics().requests_failed == 1
+        assert b.requests_in_flight == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_abort_returns_partials(autojump_clock):
+    b = backend(outputs=10, latency_s=1.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.serve)
+        errors = []
+
+        async def runner():
+            try:
+                await run(b, "r", StageInput(prompt="abcdef"))
+            except StageAborted as exc:
+                errors.append(exc)
+
+        nursery.start_soon(runner)
+        await trio.sleep(3.5)
+        partial = await b.abort("r")
+        assert [o.token_ids[0] for o in partial] == [ord(c) + 1 for c in "abc"]
+        assert b.requests_in_flight == 0
+        assert b.aborted == ["r"]
+        await trio.lowlevel.checkpoint()
+        assert len(errors) == 1
+        assert await b.abort("unknown") == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_crash_kills_every_bound_request(autojump_clock):
+    b = backend(outputs=10, latency_s=1.0, crash_at_request=3)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.serve)
+        failures = []
+
+        async def runner(rid):
+            try:
+                await run(b, rid, StageInput(prompt="x"))
+            except ReplicaDeadError as exc:
+                failures.append(exc.request_id)
+
+        nursery.start_soon(runner, "r1")
+        nursery.start_soon(runner, "r2")
+        await trio.sleep(1.5)
+        nursery.start_soon(runner, "r3")
+        await trio.sleep(0.1)
+        assert sorted(failures) == ["r1", "r2", "r3"]
+        assert not b.alive
+        with pytest.raises(ReplicaDeadError, match="is dead"):
+            await run(b, "r4", StageInput(prompt="x"))
+        assert "dead" in repr(b)
+        nursery.cancel_scope.cancel()
+
+
+async def test_start_faults(autojump_clock):
+    b = backend(fail_start=True)
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(StageError, match="fail_start"):
+            await nursery.start(b.serve)
+    b = backend(start_delay_s=7.0, stop_delay_s=2.0)
+    async with trio.open_nursery() as nursery:
+        t0 = trio.current_time()
+        await nursery.start(b.serve)
+        assert trio.current_time() - t0 == pytest.approx(7.0)
+        nursery.cancel_scope.cancel()
+    assert trio.current_time() - t0 == pytest.approx(9.0)
+
+
+def test_bad_options():
+    with pytest.raises(ConfigError, match="outputs must be >= 1"):
+        backend(outputs=0)
+
+
+async def test_collect_input_merges_chunks():
+    merged = await collect_input(
+        channel(
+            StageInput(token_ids=(1,), final=False),
+            StageInput(token_ids=(2, 3), data="x", final=False),
+            StageInput(final=True),
+        )
+    )
+    assert merged.token_ids == (1, 2, 3) and merged.data == "x" and merged.final
