@@ -163,7 +163,7 @@ class ScriptedBackend(StageBackend):
                         stage_id=self.stage_id,
                         request_id=request_id,
                     )
-                token = scripted_tokens(tokens, k + 1, offset)[k] if tokens else offset + k
+                token = tokens[k % len(tokens)] + offset if tokens else offset + k
                 last = k == n_outputs - 1
                 await emit(
                     StageOutput(

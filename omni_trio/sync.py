@@ -1,0 +1,115 @@
+"""A blocking facade for callers that are not async: the same engine, run in a trio loop in a
+worker thread through an anyio blocking portal.
+
+    with omni_trio.sync.open_engine(config) as engine:
+        for out in engine.generate("Hello"):
+            print(out.text)
+
+Every method blocks the calling thread until the engine's loop answered. Leaving a
+``generate()`` loop early (``break``) aborts that request in every stage before the loop
+statement finishes, as the async API does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack
+from types import TracebackType
+from typing import Any
+
+import trio
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from .config import PipelineConfig
+from .engine import Engine
+from .engine import open_engine as _open_engine
+from .outputs import EngineStatistics, OmniOutput
+
+__all__ = ["SyncEngine", "open_engine"]
+
+
+class SyncEngine:
+    """The blocking twin of :class:`~omni_trio.engine.Engine`. Get one from :func:`open_engine`."""
+
+    def __init__(self, portal: BlockingPortal, engine: Engine) -> None:
+        self._portal = portal
+        self.engine = engine
+
+    def generate(
+        self,
+        prompt: Any,
+        request_id: str | None = None,
+        sampling_params: Any = None,
+        final_stage_id: str | int | None = None,
+        output_stages: Sequence[str | int] | None = None,
+    ) -> Iterator[OmniOutput]:
+        """Yield the request's outputs as they arrive (blocking). Closing the iterator early
+        aborts the request everywhere first. Raises what ``Engine.generate`` raises."""
+        stream = self._portal.call(
+            lambda: self.engine.generate(
+                prompt, request_id, sampling_params, final_stage_id, output_stages
+            )
+        )
+        with self._portal.wrap_async_context_manager(stream):
+            while True:
+                try:
+                    out = self._portal.call(stream.receive)
+                except trio.EndOfChannel:
+                    return
+                yield out
+
+    def abort(self, request_id: str) -> list[OmniOutput]:
+        """Abort a request; its outputs so far. Blocks until every stage dropped it."""
+        return self._portal.call(self.engine.abort, request_id)  # type: ignore[no-any-return]
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        stage_ids: Sequence[str | int] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """``Engine.collective_rpc``, blocking."""
+        return self._portal.call(  # type: ignore[no-any-return]
+            lambda: self.engine.collective_rpc(method, args, kwargs, stage_ids, timeout)
+        )
+
+    def statistics(self) -> EngineStatistics:
+        return self._portal.call(self.engine.statistics)
+
+    def __repr__(self) -> str:
+        return f"<SyncEngine {self.engine!r}>"
+
+
+class _SyncSession(AbstractContextManager["SyncEngine"]):
+    def __init__(self, config: Any, overrides: dict[str, Any]) -> None:
+        self._config = config
+        self._overrides = overrides
+        self._stack = ExitStack()
+
+    def __enter__(self) -> SyncEngine:
+        with ExitStack() as stack:
+            portal = stack.enter_context(start_blocking_portal(backend="trio"))
+            engine = portal.call(lambda: _open_engine(self._config, **self._overrides))
+            stack.enter_context(portal.wrap_async_context_manager(engine))
+            self._stack = stack.pop_all()
+        return SyncEngine(portal, engine)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stack.__exit__(exc_type, exc, tb)
+
+
+def open_engine(
+    config: PipelineConfig | Mapping[str, Any] | str | os.PathLike[str], **overrides: Any
+) -> AbstractContextManager[SyncEngine]:
+    """``with open_engine(cfg) as engine:`` - start the pipeline in a worker thread's trio
+    loop; leaving the block closes it there (aborting requests, stopping stages) and joins
+    the thread. Raises ConfigError / StageStartError like the async ``open_engine``."""
+    return _SyncSession(config, overrides)

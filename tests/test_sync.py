@@ -1,0 +1,32 @@
+"""The blocking facade, driven from a plain (non-async) test: real threads, real trio loop."""
+
+import pytest
+
+import omni_trio
+import omni_trio.sync
+from omni_trio.testing import scripted_pipeline
+
+
+def test_sync_generate_abort_and_rpc():
+    cfg = scripted_pipeline(["a", "b"], outputs=3)
+    with omni_trio.sync.open_engine(cfg) as engine:
+        outs = list(engine.generate([5, 6], request_id="r"))
+        assert [o.token_ids[0] for o in outs] == [7, 8, 7]
+        assert outs[-1].finished
+        assert [r["stage"] for r in engine.collective_rpc("echo")] == ["a", "b"]
+        assert engine.abort("unknown") == []
+        assert engine.statistics().requests_finished == 1
+    with pytest.raises(omni_trio.InvalidRequestError):
+        with omni_trio.sync.open_engine(cfg) as engine:
+            list(engine.generate(""))
+
+
+def test_sync_early_break_aborts():
+    cfg = scripted_pipeline(1, outputs=1000, latency_s=0.001)
+    with omni_trio.sync.open_engine(cfg) as engine:
+        it = engine.generate("x", request_id="r")
+        next(it)
+        it.close()
+        stats = engine.statistics()
+        assert stats.requests_in_flight == 0
+        assert stats.requests_aborted == 1
