@@ -232,15 +232,15 @@ def load_config(
                     source=source,
                 )
         data["stages"] = [
-            _deep_merge(dict(s), parsed.get(s.get("id"), {})) if isinstance(s, Mapping) else s
+            _deep_merge(dict(s), parsed.get(str(s.get("id")), {})) if isinstance(s, Mapping) else s
             for s in stages
         ]
     data.pop("source", None)
     try:
         cfg = msgspec.convert(data, PipelineConfig)
     except msgspec.ValidationError as exc:
-        reason, path = _msgspec_path(str(exc))
-        raise ConfigError(reason, path=path, source=source) from None
+        reason, where = _msgspec_path(str(exc))
+        raise ConfigError(reason, path=where, source=source) from None
     cfg.source = source
     validate(cfg)
     return cfg
