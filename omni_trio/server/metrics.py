@@ -1,0 +1,183 @@
+"""Prometheus metrics of one engine: an observer for latencies, a collector for live state.
+
+:class:`EngineMetrics` owns its own ``CollectorRegistry`` (never the process-global one, so
+two engines in one process, or one per test, do not clash). Event-driven numbers (latency
+histograms, transfer counters) come from :class:`~omni_trio.observer.EngineObserver` hooks;
+state (requests in flight, replica health) is read from ``engine.statistics()`` at scrape
+time, so a scrape always shows the truth and nothing is double-counted.
+
+Metric names (all prefixed ``omni_trio_``)::
+
+    requests_running / requests_waiting            gauges (waiting = no output yet)
+    requests_finished_total / _aborted_total / _failed_total / requests_total   counters
+    request_latency_seconds{status}                histogram, admission -> end
+    time_to_first_output_seconds                   histogram, admission -> first output
+    stage_latency_seconds{stage,status}            histogram, stage start -> stage end
+    stage_queue_wait_seconds{stage}                histogram, stage start -> its first output
+    transfers_total{source,target} / transfer_bytes_total{source,target}   counters
+    stage_requests_in_flight{stage} / stage_live_replicas{stage}           gauges
+    replica_healthy{stage,replica}                 gauge, 1 alive / 0 dead
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..observer import EngineObserver
+
+__all__ = ["CONTENT_TYPE", "EngineMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# CPU inference is slow: buckets reach minutes, not only the library's 10 s default.
+_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _StateCollector(Collector):
+    """Reads the engine's statistics at scrape time."""
+
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._m.engine.statistics()
+        waiting = min(self._m.waiting, stats.requests_in_flight)
+        g = GaugeMetricFamily
+        running = stats.requests_in_flight - waiting
+        yield g("omni_trio_requests_running", "Requests producing output.", value=running)
+        yield g("omni_trio_requests_waiting", "Requests with no output yet.", value=waiting)
+        for name, value, doc in (
+            ("finished", stats.requests_finished, "Requests that finished."),
+            ("aborted", stats.requests_aborted, "Requests aborted (client or engine)."),
+            ("failed", stats.requests_failed, "Requests failed by a stage error."),
+        ):
+            yield CounterMetricFamily(f"omni_trio_requests_{name}", doc, value=value)
+        yield CounterMetricFamily(
+            "omni_trio_requests", "Requests admitted.", value=stats.requests_total
+        )
+        inflight = g(
+            "omni_trio_stage_requests_in_flight", "Requests bound to a stage.", labels=["stage"]
+        )
+        live = g("omni_trio_stage_live_replicas", "Live replicas of a stage.", labels=["stage"])
+        health = g(
+            "omni_trio_replica_healthy",
+            "1 if the replica is alive, else 0.",
+            labels=["stage", "replica"],
+        )
+        for st in stats.stages:
+            inflight.add_metric([st.stage_id], st.requests_in_flight)
+            live.add_metric([st.stage_id], st.live_replicas)
+            for r in st.replicas:
+                health.add_metric([st.stage_id, str(r.replica)], 1 if r.alive else 0)
+        yield inflight
+        yield live
+        yield health
+
+
+class EngineMetrics(EngineObserver):
+    """Prometheus metrics of one engine. ``EngineMetrics(engine)`` attaches itself as an
+    observer; :meth:`render` returns the text exposition. Hooks are synchronous and O(1);
+    per-request bookkeeping is dropped when the request ends (nothing accumulates)."""
+
+    def __init__(self, engine: Any, *, attach: bool = True) -> None:
+        self.engine = engine
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.request_latency = Histogram(
+            "omni_trio_request_latency_seconds",
+            "End-to-end request latency, admission to end.",
+            ["status"],
+            buckets=_BUCKETS,
+            registry=reg,
+        )
+        self.first_output = Histogram(
+            "omni_trio_time_to_first_output_seconds",
+            "Admission to the request's first output of any stage.",
+            buckets=_BUCKETS,
+            registry=reg,
+        )
+        self.stage_latency = Histogram(
+            "omni_trio_stage_latency_seconds",
+            "A request's time in one stage, start to end.",
+            ["stage", "status"],
+            buckets=_BUCKETS,
+            registry=reg,
+        )
+        self.queue_wait = Histogram(
+            "omni_trio_stage_queue_wait_seconds",
+            "A request's wait in one stage before its first output.",
+            ["stage"],
+            buckets=_BUCKETS,
+            registry=reg,
+        )
+        self.transfers = Counter(
+            "omni_trio_transfers", "Inter-stage transfers.", ["source", "target"], registry=reg
+        )
+        self.transfer_bytes = Counter(
+            "omni_trio_transfer_bytes",
+            "Approximate bytes moved between stages.",
+            ["source", "target"],
+            registry=reg,
+        )
+        self._started: dict[str, float] = {}
+        self._waiting: set[str] = set()
+        self._stage_started: dict[tuple[str, str], float] = {}
+        reg.register(_StateCollector(self))
+        if attach:
+            engine.add_observer(self)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def tracked(self) -> int:
+        """Requests and stage runs this observer holds state for (0 when idle)."""
+        return len(self._started) + len(self._stage_started)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric. Synchronous."""
+        return generate_latest(self.registry)
+
+    # -- observer hooks --------------------------------------------------------------------
+    def request_started(self, request_id: str, t: float) -> None:
+        self._started[request_id] = t
+        self._waiting.add(request_id)
+
+    def request_finished(self, request_id: str, status: str, t: float) -> None:
+        self._waiting.discard(request_id)
+        t0 = self._started.pop(request_id, None)
+        if t0 is not None:
+            self.request_latency.labels(status).observe(max(0.0, t - t0))
+
+    def stage_started(self, request_id: str, stage_id: str, t: float) -> None:
+        self._stage_started[(request_id, stage_id)] = t
+
+    def stage_output(self, request_id: str, stage_id: str, first: bool, t: float) -> None:
+        if not first:
+            return
+        t0 = self._stage_started.get((request_id, stage_id))
+        if t0 is not None:
+            self.queue_wait.labels(stage_id).observe(max(0.0, t - t0))
+        if request_id in self._waiting:
+            self._waiting.discard(request_id)
+            r0 = self._started.get(request_id)
+            if r0 is not None:
+                self.first_output.observe(max(0.0, t - r0))
+
+    def stage_finished(self, request_id: str, stage_id: str, status: str, t: float) -> None:
+        t0 = self._stage_started.pop((request_id, stage_id), None)
+        if t0 is not None:
+            self.stage_latency.labels(stage_id, status).observe(max(0.0, t - t0))
+
+    def transfer(self, request_id: str, source: str, target: str, nbytes: int, t: float) -> None:
+        self.transfers.labels(source, target).inc()
+        self.transfer_bytes.labels(source, target).inc(nbytes)
+
+    def __repr__(self) -> str:
+        return f"<EngineMetrics tracking={len(self._started)} waiting={len(self._waiting)}>"

@@ -1,0 +1,319 @@
+"""The OpenAI wire format: request validation, sampling-param mapping, response bodies.
+
+Everything here is pure and synchronous. Request bodies are validated by hand (no pydantic)
+so that a 400's message says exactly which field is wrong and why; every problem raises
+:class:`RequestValidationError` carrying the OpenAI ``param`` name.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import PipelineConfig
+from ..errors import InvalidRequestError
+
+__all__ = [
+    "ChatRequest",
+    "CompletionRequest",
+    "RequestValidationError",
+    "SpeechRequest",
+    "audio_stage",
+    "chat_prompt",
+    "parse_chat",
+    "parse_completion",
+    "parse_speech",
+    "text_stage",
+]
+
+# OpenAI name -> (vLLM SamplingParams name, checker). Only keys the client sent are passed on,
+# so the stage's default_sampling_params fill the rest.
+_NUMBER = (int, float)
+
+
+class RequestValidationError(InvalidRequestError):
+    """A request body broke the API's rules; ``param`` names the offending field."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, _NUMBER) and not isinstance(v, bool)
+
+
+def _sampling(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Map the OpenAI sampling fields of ``body`` to vLLM-style sampling params (pure)."""
+    out: dict[str, Any] = {}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if max_tokens is not None:
+        if not _is_int(max_tokens):
+            raise RequestValidationError(
+                f"{name} must be an integer, got {type(max_tokens).__name__}", param=name
+            )
+        if max_tokens < 1:
+            raise RequestValidationError(f"{name} must be >= 1, got {max_tokens}", param=name)
+        out["max_tokens"] = max_tokens
+    ranges = {
+        "temperature": (0.0, 2.0),
+        "top_p": (0.0, 1.0),
+        "presence_penalty": (-2.0, 2.0),
+        "frequency_penalty": (-2.0, 2.0),
+        "repetition_penalty": (0.0, 2.0),
+    }
+    for key, (lo, hi) in ranges.items():
+        v = body.get(key)
+        if v is None:
+            continue
+        if not _is_number(v):
+            raise RequestValidationError(
+                f"{key} must be a number, got {type(v).__name__}", param=key
+            )
+        if not lo <= v <= hi or (key == "top_p" and v == 0):
+            bound = "(0, 1]" if key == "top_p" else f"[{lo}, {hi}]"
+            raise RequestValidationError(f"{key} must be in {bound}, got {v}", param=key)
+        out[key] = float(v)
+    for key in ("seed", "top_k", "min_tokens"):
+        v = body.get(key)
+        if v is None:
+            continue
+        if not _is_int(v):
+            raise RequestValidationError(
+                f"{key} must be an integer, got {type(v).__name__}", param=key
+            )
+        if key != "seed" and v < (-1 if key == "top_k" else 0):
+            raise RequestValidationError(f"{key} must not be negative, got {v}", param=key)
+        out[key] = v
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise RequestValidationError("stop must be a string or a list of strings", param="stop")
+        if len(stop) > 4:
+            raise RequestValidationError(
+                f"stop takes at most 4 sequences, got {len(stop)}", param="stop"
+            )
+        if stop:
+            out["stop"] = stop
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise RequestValidationError(f"only n=1 is supported, got {n!r}", param="n")
+    return out
+
+
+def _common(body: Any, known_model: str) -> tuple[str, bool, bool]:
+    if not isinstance(body, dict):
+        raise RequestValidationError(
+            f"the request body must be a JSON object, got {type(body).__name__}"
+        )
+    model = body.get("model", known_model)
+    if not isinstance(model, str):
+        raise RequestValidationError("model must be a string", param="model")
+    if model != known_model:
+        raise RequestValidationError(
+            f"the model {model!r} does not exist; this server serves {known_model!r}",
+            param="model",
+        )
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestValidationError("stream must be a boolean", param="stream")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise RequestValidationError("stream_options must be an object", param="stream_options")
+        include_usage = bool(opts.get("include_usage", False))
+    return model, stream, include_usage
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    model: str
+    prompt: str
+    stream: bool
+    include_usage: bool
+    sampling: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    model: str
+    prompt: str | list[int]
+    stream: bool
+    include_usage: bool
+    sampling: dict[str, Any]
+    echo: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SpeechRequest:
+    model: str
+    input: str
+    voice: str | None
+    sampling: dict[str, Any]
+
+
+def _message_text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise RequestValidationError(
+                    f"messages[{i}].content[{j}]: only text parts are supported",
+                    param=f"messages[{i}].content",
+                )
+            if not isinstance(part.get("text"), str):
+                raise RequestValidationError(
+                    f"messages[{i}].content[{j}].text must be a string",
+                    param=f"messages[{i}].content",
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise RequestValidationError(
+        f"messages[{i}].content must be a string or a list of text parts",
+        param=f"messages[{i}].content",
+    )
+
+
+def chat_prompt(messages: Sequence[tuple[str, str]]) -> str:
+    """The chat template (tiny models ship none): one ``<role>: <text>`` line per message,
+    then ``assistant:`` for the model to continue. Pure."""
+    lines = [f"{role}: {text}" for role, text in messages]
+    lines.append("assistant:")
+    return "\n".join(lines)
+
+
+def parse_chat(body: Any, model: str) -> ChatRequest:
+    """Validate a ``/v1/chat/completions`` body. Raises RequestValidationError."""
+    model, stream, include_usage = _common(body, model)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestValidationError(
+            "messages must be a non-empty list of {role, content} objects", param="messages"
+        )
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise RequestValidationError(f"messages[{i}] must be an object", param="messages")
+        role = m.get("role")
+        if role not in ("system", "user", "assistant", "developer", "tool"):
+            raise RequestValidationError(
+                f"messages[{i}].role must be system, user, assistant, developer or tool, "
+                f"got {role!r}",
+                param=f"messages[{i}].role",
+            )
+        turns.append((role, _message_text(m.get("content"), i)))
+    return ChatRequest(model, chat_prompt(turns), stream, include_usage, _sampling(body))
+
+
+def parse_completion(body: Any, model: str) -> CompletionRequest:
+    """Validate a ``/v1/completions`` body. Raises RequestValidationError."""
+    model, stream, include_usage = _common(body, model)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestValidationError("prompt must not be empty", param="prompt")
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        prompt = list(prompt)
+    else:
+        raise RequestValidationError(
+            "prompt must be a non-empty string or a list of non-negative token ids "
+            "(batches of prompts are not supported)",
+            param="prompt",
+        )
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise RequestValidationError("echo must be a boolean", param="echo")
+    return CompletionRequest(model, prompt, stream, include_usage, _sampling(body), echo)
+
+
+def parse_speech(body: Any, model: str) -> SpeechRequest:
+    """Validate a ``/v1/audio/speech`` body (only ``response_format: wav``)."""
+    model, _, _ = _common(body, model)
+    text = body.get("input")
+    if not isinstance(text, str) or not text:
+        raise RequestValidationError("input must be a non-empty string", param="input")
+    voice = body.get("voice")
+    if voice is not None and not isinstance(voice, str):
+        raise RequestValidationError("voice must be a string", param="voice")
+    fmt = body.get("response_format", "wav")
+    if fmt != "wav":
+        raise RequestValidationError(
+            f"response_format {fmt!r} is not supported; only 'wav'", param="response_format"
+        )
+    return SpeechRequest(model, text, voice, _sampling(body))
+
+
+def text_stage(cfg: PipelineConfig) -> str:
+    """The stage that answers text endpoints: the first final-output text stage, else the
+    first text stage, else the entry stage. Pure."""
+    for st in cfg.stages:
+        if st.final_output and st.output_type == "text":
+            return st.id
+    for st in cfg.stages:
+        if st.output_type == "text":
+            return st.id
+    return cfg.entry_stages[0]
+
+
+def audio_stage(cfg: PipelineConfig) -> str | None:
+    """The stage whose outputs ``/v1/audio/speech`` returns (the last audio stage), or None."""
+    audio = [st.id for st in cfg.stages if st.output_type == "audio"]
+    return audio[-1] if audio else None
+
+
+# -- response bodies ----------------------------------------------------------------------------
+
+
+def error_body(message: str, *, type_: str, param: str | None = None, code: Any = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def openai_finish_reason(reason: str | None) -> str:
+    """Our finish reasons -> OpenAI's (``stop``/``length``; an abort reads as ``stop``)."""
+    return "length" if reason == "length" else "stop"
+
+
+def now() -> int:
+    return int(time.time())
