@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import PipelineConfig
 from ..errors import InvalidRequestError
+from ..runner import audio_stage, text_stage
 
 __all__ = [
     "ChatRequest",
@@ -255,24 +255,6 @@ def parse_speech(body: Any, model: str) -> SpeechRequest:
             f"response_format {fmt!r} is not supported; only 'wav'", param="response_format"
         )
     return SpeechRequest(model, text, voice, _sampling(body))
-
-
-def text_stage(cfg: PipelineConfig) -> str:
-    """The stage that answers text endpoints: the first final-output text stage, else the
-    first text stage, else the entry stage. Pure."""
-    for st in cfg.stages:
-        if st.final_output and st.output_type == "text":
-            return st.id
-    for st in cfg.stages:
-        if st.output_type == "text":
-            return st.id
-    return cfg.entry_stages[0]
-
-
-def audio_stage(cfg: PipelineConfig) -> str | None:
-    """The stage whose outputs ``/v1/audio/speech`` returns (the last audio stage), or None."""
-    audio = [st.id for st in cfg.stages if st.output_type == "audio"]
-    return audio[-1] if audio else None
 
 
 # -- response bodies ----------------------------------------------------------------------------
