@@ -1,0 +1,430 @@
+"""The thread bridge: real threads, each running its own ``trio.run``.
+
+Tests that wait on another thread use the real clock and ``trio.fail_after``, so a
+regression fails in seconds instead of hanging. Another thread's loop signals this one with
+``TrioToken.run_sync_soon`` (not through a bridge, so a broken bridge cannot hide itself),
+and "the task is now blocked" is observed with ``wait_all_tasks_blocked`` on its own loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import pytest
+import trio
+import trio.testing
+
+from omni_trio.transport import BridgeReceiver, BridgeSender, BridgeStatistics, open_bridge
+
+GUARD_S = 10
+
+
+async def in_thread(fn: Callable[[], Awaitable[Any]]) -> Any:
+    """Run ``trio.run(fn)`` in a worker thread; abandoned on cancel, so fail_after works."""
+    return await trio.to_thread.run_sync(trio.run, fn, abandon_on_cancel=True)
+
+
+def signal() -> tuple[trio.Event, Callable[[], None]]:
+    """An Event of this loop and a function any thread can call to set it."""
+    event = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+    return event, lambda: token.run_sync_soon(event.set)
+
+
+def assert_drained(stats: BridgeStatistics, n: int) -> None:
+    assert stats.items_in_flight == 0
+    assert stats.items_sent == stats.items_received == n
+    assert stats.credits_available == stats.max_buffer
+    assert stats.tasks_waiting_send == stats.tasks_waiting_receive == 0
+
+
+async def test_order_preserved_thread_to_loop() -> None:
+    tx: BridgeSender[int]
+    rx: BridgeReceiver[int]
+    tx, rx = open_bridge(16, name="order")
+
+    async def produce() -> None:
+        async with tx:
+            for i in range(10_000):
+                await tx.send(i)
+
+    got: list[int] = []
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(in_thread, produce)
+            async for item in rx:
+                got.append(item)
+    assert got == list(range(10_000))
+    stats = rx.statistics()
+    assert_drained(stats, 10_000)
+    assert stats.sender_closed and not stats.receiver_closed
+
+
+async def test_order_preserved_loop_to_thread() -> None:
+    tx: BridgeSender[int]
+    rx: BridgeReceiver[int]
+    tx, rx = open_bridge(8)
+
+    async def consume() -> list[int]:
+        return [item async for item in rx]
+
+    async def produce() -> None:
+        with tx:
+            for i in range(10_000):
+                await tx.send(i)
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(produce)
+            got = await in_thread(consume)
+    assert got == list(range(10_000))
+    assert_drained(tx.statistics(), 10_000)
+
+
+async def test_backpressure_blocks_exactly_at_max_buffer() -> None:
+    tx: BridgeSender[int]
+    rx: BridgeReceiver[int]
+    tx, rx = open_bridge(8, name="bp")
+    blocked, fire = signal()
+
+    async def produce() -> tuple[int, BridgeStatistics]:
+        sent = 0
+
+        async def pump() -> None:
+            nonlocal sent
+            with tx:
+                for i in range(20):
+                    await tx.send(i)
+                    sent += 1
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump)
+            await trio.testing.wait_all_tasks_blocked()
+            snapshot = (sent, tx.statistics())
+            fire()
+        return snapshot
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            result: list[tuple[int, BridgeStatistics]] = []
+
+            async def run_producer() -> None:
+                result.append(await in_thread(produce))
+
+            nursery.start_soon(run_producer)
+            await blocked.wait()
+            # Nothing was read yet: the producer is parked with exactly max_buffer unread.
+            seen_here = rx.statistics()
+            got = [item async for item in rx]
+    sent_when_blocked, seen_there = result[0]
+    assert sent_when_blocked == 8
+    for stats in (seen_here, seen_there):
+        assert stats.items_in_flight == 8
+        assert stats.credits_available == 0
+        assert stats.tasks_waiting_send == 1
+    assert got == list(range(20))
+    assert_drained(rx.statistics(), 20)
+
+
+async def test_receiver_close_wakes_sender_blocked_in_another_thread() -> None:
+    tx, rx = open_bridge(4, name="rx-close")
+    blocked, fire = signal()
+
+    async def produce() -> str:
+        async with trio.open_nursery() as nursery:
+            outcome: list[str] = []
+
+            async def pump() -> None:
+                try:
+                    for i in range(100):
+                        await tx.send(i)
+                except anyio.BrokenResourceError:
+                    outcome.append("broken")
+
+            nursery.start_soon(pump)
+            await trio.testing.wait_all_tasks_blocked()
+            fire()
+        return outcome[0]
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            result: list[str] = []
+
+            async def run_producer() -> None:
+                result.append(await in_thread(produce))
+
+            nursery.start_soon(run_producer)
+            await blocked.wait()
+            assert rx.statistics().tasks_waiting_send == 1
+            rx.close()
+    assert result == ["broken"]
+    stats = rx.statistics()
+    assert stats.receiver_closed
+    assert stats.items_in_flight == 0 and stats.items_discarded == 4
+    assert stats.tasks_waiting_send == 0
+    with pytest.raises(anyio.ClosedResourceError):
+        await rx.receive()
+
+
+@pytest.mark.parametrize("n_items", [0, 3])
+async def test_sender_close_wakes_consumer_after_draining(n_items: int) -> None:
+    tx: BridgeSender[int]
+    rx: BridgeReceiver[int]
+    tx, rx = open_bridge(4, name="tx-close")
+    blocked, fire = signal()
+
+    async def consume() -> tuple[list[int], int]:
+        got: list[int] = []
+
+        async def drain() -> None:
+            async for item in rx:
+                got.append(item)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain)
+            await trio.testing.wait_all_tasks_blocked()
+            waiting = rx.statistics().tasks_waiting_receive
+            fire()
+        return got, waiting
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            result: list[tuple[list[int], int]] = []
+
+            async def run_consumer() -> None:
+                result.append(await in_thread(consume))
+
+            nursery.start_soon(run_consumer)
+            await blocked.wait()
+            # Send and close without a checkpoint between: the consumer must still get all.
+            for i in range(n_items):
+                tx.send_nowait(i)
+            tx.close()
+    got, waiting = result[0]
+    assert waiting == 1
+    assert got == list(range(n_items))
+    assert_drained(rx.statistics(), n_items)
+    with pytest.raises(anyio.ClosedResourceError):
+        tx.send_nowait(3)
+
+
+async def test_close_from_foreign_thread_wakes_that_ends_own_waiters() -> None:
+    tx, rx = open_bridge(1, name="foreign-close")
+    blocked, fire = signal()
+
+    async def produce() -> str:
+        await tx.send(0)
+        async with trio.open_nursery() as nursery:
+            outcome: list[str] = []
+
+            async def pump() -> None:
+                try:
+                    await tx.send(1)
+                except anyio.ClosedResourceError:
+                    outcome.append("closed")
+
+            nursery.start_soon(pump)
+            await trio.testing.wait_all_tasks_blocked()
+            fire()
+        return outcome[0]
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            result: list[str] = []
+
+            async def run_producer() -> None:
+                result.append(await in_thread(produce))
+
+            nursery.start_soon(run_producer)
+            await blocked.wait()
+            tx.close()  # from this loop, while the sender's own loop has a task parked
+    assert result == ["closed"]
+    assert await rx.receive() == 0
+    with pytest.raises(anyio.EndOfStream):
+        await rx.receive()
+
+
+async def test_receiver_loop_exit_breaks_blocked_sender() -> None:
+    tx, rx = open_bridge(8, name="rx-lost")
+    for i in range(8):
+        tx.send_nowait(i)
+
+    async def receive_one_and_leave() -> int:
+        # Reads one item (one credit back: below the batch that would wake the sender),
+        # then the loop ends without closing the receiver.
+        item: int = rx.receive_nowait()
+        return item
+
+    outcome: list[str] = []
+
+    async def blocked_send() -> None:
+        try:
+            await tx.send(99)
+        except anyio.BrokenResourceError:
+            outcome.append("broken")
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(blocked_send)
+            await trio.testing.wait_all_tasks_blocked()
+            assert tx.statistics().tasks_waiting_send == 1
+            assert await in_thread(receive_one_and_leave) == 0
+    assert outcome == ["broken"]
+    stats = tx.statistics()
+    assert stats.receiver_closed and not stats.sender_closed
+    assert stats.items_in_flight == 0 and stats.tasks_waiting_send == 0
+    assert "lost" in repr(rx)
+    tx.close()
+    rx.close()  # its loop is gone: closing again is a no-op, not an error
+
+
+async def test_sender_loop_exit_breaks_consumer_after_draining() -> None:
+    tx, rx = open_bridge(8, name="tx-lost")
+
+    async def send_two_and_leave() -> None:
+        await tx.send("a")
+        await tx.send("b")
+
+    with trio.fail_after(GUARD_S):
+        await in_thread(send_two_and_leave)
+        assert await rx.receive() == "a"
+        assert rx.receive_nowait() == "b"
+        with pytest.raises(anyio.BrokenResourceError, match="without closing"):
+            await rx.receive()
+    assert rx.statistics().sender_closed
+    rx.close()
+    tx.close()
+
+
+async def test_close_before_other_side_was_ever_used() -> None:
+    tx, rx = open_bridge(2)
+    rx.close()
+    with pytest.raises(anyio.BrokenResourceError, match="receiver was closed"):
+        tx.send_nowait(1)
+    with pytest.raises(anyio.BrokenResourceError):
+        await tx.send(1)
+
+    tx2, rx2 = open_bridge(2)
+    tx2.close()
+    with pytest.raises(anyio.EndOfStream):
+        rx2.receive_nowait()
+    with pytest.raises(anyio.EndOfStream):
+        await rx2.receive()
+
+    tx3, rx3 = open_bridge(2)
+    await tx3.aclose()
+    await rx3.aclose()
+    with pytest.raises(anyio.ClosedResourceError):
+        await tx3.send(1)
+    with pytest.raises(anyio.ClosedResourceError):
+        rx3.receive_nowait()
+
+
+async def test_nowait_would_block() -> None:
+    tx, rx = open_bridge(3)
+    with pytest.raises(anyio.WouldBlock):
+        rx.receive_nowait()
+    for i in range(3):
+        tx.send_nowait(i)
+    with pytest.raises(anyio.WouldBlock):
+        tx.send_nowait(3)
+    stats = tx.statistics()
+    assert stats.items_in_flight == 3 and stats.credits_available == 0
+    assert [rx.receive_nowait() for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(anyio.WouldBlock):
+        rx.receive_nowait()
+    assert_drained(rx.statistics(), 3)
+
+
+async def test_same_loop_stream_with_backpressure() -> None:
+    tx: BridgeSender[int]
+    rx: BridgeReceiver[int]
+    tx, rx = open_bridge(3, name="same-loop")
+
+    async def produce() -> None:
+        async with tx:
+            for i in range(1_000):
+                await tx.send(i)
+
+    got: list[int] = []
+    full_snapshots: list[BridgeStatistics] = []
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(produce)
+            while True:
+                if len(got) % 100 == 0 and len(got) < 900:
+                    # Let the producer run until it can go no further: the window is full.
+                    await trio.testing.wait_all_tasks_blocked()
+                    full_snapshots.append(rx.statistics())
+                try:
+                    got.append(await rx.receive())
+                except anyio.EndOfStream:
+                    break
+    assert got == list(range(1_000))
+    assert len(full_snapshots) == 9
+    for stats in full_snapshots:
+        assert (stats.items_in_flight, stats.tasks_waiting_send) == (3, 1)
+    assert_drained(rx.statistics(), 1_000)
+
+
+async def test_cancelled_waits_leave_no_trace() -> None:
+    tx, rx = open_bridge(1)
+    tx.send_nowait("kept")
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tx.send, "never")
+            await trio.testing.wait_all_tasks_blocked()
+            assert tx.statistics().tasks_waiting_send == 1
+            scope.cancel()
+    stats = tx.statistics()
+    assert stats.tasks_waiting_send == 0 and stats.items_sent == 1
+    assert await rx.receive() == "kept"
+
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rx.receive)
+            await trio.testing.wait_all_tasks_blocked()
+            assert rx.statistics().tasks_waiting_receive == 1
+            scope.cancel()
+    assert_drained(rx.statistics(), 1)
+    # A cancelled send() sends nothing, even when there is credit.
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await tx.send("cancelled")
+    assert tx.statistics().items_sent == 1
+
+
+async def test_repr_shows_live_state() -> None:
+    tx, rx = open_bridge(4, name="shown")
+    assert repr(tx).startswith("<BridgeSender 'shown' open unbound in_flight=0/4")
+    tx.send_nowait(1)
+    tx.send_nowait(2)
+    assert "in_flight=2/4 sent=2 received=0" in repr(rx)
+    tx.close()
+    assert "peer=closed" in repr(rx)
+    assert repr(tx).startswith("<BridgeSender 'shown' closed")
+
+
+async def test_end_is_bound_to_the_loop_that_first_used_it() -> None:
+    tx, rx = open_bridge(4)
+    tx.send_nowait(1)
+
+    async def use_elsewhere() -> str:
+        try:
+            tx.send_nowait(2)
+        except RuntimeError as exc:
+            return str(exc)
+        return "no error"
+
+    with trio.fail_after(GUARD_S):
+        message = await in_thread(use_elsewhere)
+    assert "bound to another trio loop" in message
+    assert tx.statistics().items_sent == 1
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "8"])
+def test_max_buffer_must_be_positive_int(bad: Any) -> None:
+    with pytest.raises(ValueError, match="max_buffer must be a positive int"):
+        open_bridge(bad)
