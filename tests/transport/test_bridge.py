@@ -428,3 +428,32 @@ async def test_end_is_bound_to_the_loop_that_first_used_it() -> None:
 def test_max_buffer_must_be_positive_int(bad: Any) -> None:
     with pytest.raises(ValueError, match="max_buffer must be a positive int"):
         open_bridge(bad)
+
+
+async def test_worker_thread_with_trio_asyncio_loop_streams_into_this_loop() -> None:
+    """The vLLM backend's shape: a worker thread runs trio.run + trio_asyncio.open_loop(),
+    an asyncio async generator produces, and its trio side sends over the bridge."""
+    import asyncio
+
+    trio_asyncio = pytest.importorskip("trio_asyncio")
+    tx: BridgeSender[int]
+    rx: BridgeReceiver[int]
+    tx, rx = open_bridge(4, name="aio-worker")
+
+    async def asyncio_outputs() -> Any:
+        for i in range(200):
+            await asyncio.sleep(0)
+            yield i
+
+    async def worker() -> None:
+        async with trio_asyncio.open_loop():
+            with tx:
+                async for item in trio_asyncio.aio_as_trio(asyncio_outputs()):
+                    await tx.send(item)
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(in_thread, worker)
+            got = [item async for item in rx]
+    assert got == list(range(200))
+    assert_drained(rx.statistics(), 200)
