@@ -33,7 +33,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, Literal, Self, TypeVar
 
 import anyio
 import anyio.abc
@@ -102,9 +102,6 @@ class _Core:
         self.tx = _Side("sender")
         self.rx = _Side("receiver")
 
-    def peer(self, side: _Side) -> _Side:
-        return self.rx if side is self.tx else self.tx
-
     def bind(self, side: _Side) -> None:
         token = trio.lowlevel.current_trio_token()
         if side.token is token:
@@ -118,7 +115,7 @@ class _Core:
                 f"bridge {self.name!r}: its {side.role} is bound to another trio loop; "
                 "each end must be used from one loop only"
             )
-        _watch_current_loop(self, side)
+        _watch_current_loop(side)
 
     def request_wake(self, side: _Side) -> bool:
         """Under the lock: whether the caller must deliver a wake-up to ``side``."""
@@ -183,7 +180,7 @@ class _Core:
                 f"{side.state}{'' if side.token else ' unbound'} "
                 f"in_flight={len(self.buffer)}/{self.max_buffer} sent={self.sent} "
                 f"received={self.received} waiting_send={self.tx.waiting} "
-                f"waiting_receive={self.rx.waiting} peer={self.peer(side).state}"
+                f"waiting_receive={self.rx.waiting} peer={(self.rx if side is self.tx else self.tx).state}"
             )
 
 
@@ -209,7 +206,7 @@ async def _loop_watcher(ends: weakref.WeakSet[_EndBase]) -> None:
             end._core.end(end._side, _LOST)
 
 
-def _watch_current_loop(core: _Core, side: _Side) -> None:
+def _watch_current_loop(side: _Side) -> None:
     end = side.end_ref() if side.end_ref is not None else None
     if end is None:
         return
@@ -218,7 +215,9 @@ def _watch_current_loop(core: _Core, side: _Side) -> None:
     except LookupError:
         ends = weakref.WeakSet()
         _LOOP_ENDS.set(ends)
-        trio.lowlevel.spawn_system_task(_loop_watcher, ends, name=f"bridge-watcher:{core.name}")
+        trio.lowlevel.spawn_system_task(
+            _loop_watcher, ends, name="omni_trio.transport.bridge.loop_watcher"
+        )
     ends.add(end)
 
 
@@ -230,7 +229,7 @@ class _EndBase:
         """A frozen snapshot of the bridge (see :class:`BridgeStatistics`). Never blocks."""
         return self._core.statistics()
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -398,18 +397,19 @@ class BridgeReceiver(_EndBase, anyio.abc.ObjectReceiveStream[T]):
 
 def open_bridge(
     max_buffer: int = 64, *, name: str = "bridge"
-) -> tuple[BridgeSender[T], BridgeReceiver[T]]:
+) -> tuple[BridgeSender[Any], BridgeReceiver[Any]]:
     """Create a bridge: at most ``max_buffer`` items sent and not yet received.
 
     Does not checkpoint and needs no running loop: each end binds to the trio loop that
-    first uses it. Raises ``ValueError`` if ``max_buffer`` is not a positive int. Annotate
-    the result to type the items: ``tx: BridgeSender[int]; rx: BridgeReceiver[int]``.
+    first uses it. Raises ``ValueError`` if ``max_buffer`` is not a positive int. The ends
+    are typed ``Any`` so that unannotated calls type-check; annotate them to type the items
+    (``tx: BridgeSender[int]``).
     """
     if isinstance(max_buffer, bool) or not isinstance(max_buffer, int) or max_buffer < 1:
         raise ValueError(f"bridge {name!r}: max_buffer must be a positive int, got {max_buffer!r}")
     core = _Core(max_buffer, name)
-    sender: BridgeSender[T] = BridgeSender(core)
-    receiver: BridgeReceiver[T] = BridgeReceiver(core)
+    sender: BridgeSender[Any] = BridgeSender(core)
+    receiver: BridgeReceiver[Any] = BridgeReceiver(core)
     core.tx.end_ref = weakref.ref(sender)
     core.rx.end_ref = weakref.ref(receiver)
     return sender, receiver
