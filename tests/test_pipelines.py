@@ -1,0 +1,66 @@
+"""The pipelines shipped inside the package: they load, and the scripted twin runs end to end
+(scripted thinker and talker, the real tiny torch vocoder)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+import omni_trio
+from omni_trio.config import load_config
+from omni_trio.errors import ConfigError
+from omni_trio.pipelines import PIPELINES, default_pipeline_path, pipeline_path
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_shipped_pipelines_load(name: str) -> None:
+    cfg = load_config(pipeline_path(name))
+    assert cfg.name == name and cfg.stage_ids == ["thinker", "talker", "code2wav"]
+    assert cfg.final_output_stages == ["thinker", "code2wav"]
+    code2wav = cfg.stage("code2wav")
+    assert code2wav.backend == "torch" and code2wav.stream_input
+    assert code2wav.output_type == "audio" and code2wav.inputs == ["talker"]
+    assert code2wav.options["weights"] == "tiny:code2wav"
+    assert cfg.stage("talker").default_sampling_params["max_tokens"] == 64
+
+
+def test_default_pipeline_is_tiny_omni_on_vllm() -> None:
+    path = default_pipeline_path()
+    assert path.name == "tiny-omni.yaml" and path.is_file()
+    cfg = load_config(path)
+    assert [s.backend for s in cfg.stages] == ["vllm", "vllm", "torch"]
+    assert cfg.stage("thinker").engine_args["model"] == "tiny:thinker"
+    assert cfg.stage("talker").engine_args["model"] == "tiny:talker"
+    assert cfg.stage("talker").default_sampling_params["ignore_eos"] is True
+
+
+def test_unknown_pipeline_name() -> None:
+    with pytest.raises(ConfigError, match="no shipped pipeline 'nope'"):
+        pipeline_path("nope")
+
+
+async def test_scripted_twin_streams_audio(tmp_path: Path) -> None:
+    cfg = load_config(
+        pipeline_path("tiny-omni-scripted"),
+        stage_overrides={"code2wav": {"options": {"cache_dir": str(tmp_path)}}},
+    )
+    audio: list[np.ndarray] = []
+    kinds: list[str] = []
+    with trio.fail_after(120):  # hang guard only (real worker threads)
+        async with omni_trio.open_engine(cfg) as engine:
+            async with engine.generate("hello world") as stream:
+                async for out in stream:
+                    kinds.append(out.kind)
+                    if out.stage_id == "code2wav":
+                        audio.append(out.data)
+            rate = await engine.collective_rpc("sample_rate", stage_ids=["code2wav"])
+            stats = engine.statistics()
+    assert "text" in kinds and kinds[-1] == "audio"
+    # the scripted talker makes 64 codes: 64 * 160 samples at 16 kHz, in several chunks
+    assert sum(len(a) for a in audio) == 64 * 160 and len(audio) >= 4
+    assert all(a.dtype == np.float32 for a in audio)
+    assert rate == [16_000]
+    assert stats.requests_in_flight == 0 and stats.stage_requests_in_flight == 0
