@@ -175,12 +175,13 @@ class _Core:
             )
 
     def describe(self, side: _Side) -> str:
+        peer = self.rx if side is self.tx else self.tx
         with self.lock:
             return (
                 f"{side.state}{'' if side.token else ' unbound'} "
                 f"in_flight={len(self.buffer)}/{self.max_buffer} sent={self.sent} "
                 f"received={self.received} waiting_send={self.tx.waiting} "
-                f"waiting_receive={self.rx.waiting} peer={(self.rx if side is self.tx else self.tx).state}"
+                f"waiting_receive={self.rx.waiting} peer={peer.state}"
             )
 
 
