@@ -18,9 +18,11 @@ Three transports carry the same items from a producer thread to a consumer threa
 
 Two runs per transport: throughput (``--items`` items as fast as possible) and latency
 (``--latency-items`` items, one every ``--gap-us`` microseconds, each stamped with
-``perf_counter_ns`` when sent and compared with the time it was received). Prints one JSON
-object with items/s, latency p50/p99 in microseconds, and ratios (janus / bridge for
-latency, bridge / janus for throughput: > 1 means the bridge is better).
+``perf_counter_ns`` when sent and compared with the time it was received), plus an idle
+run (the consumer waits ``--idle-s`` seconds for a producer that sends nothing; ``cpu_s``
+is the process CPU time it costs). Prints one JSON object with items/s, latency p50/p99 in
+microseconds, and ratios (janus / bridge for latency, bridge / janus for throughput: > 1
+means the bridge is better) and the idle CPU seconds side by side.
 """
 
 from __future__ import annotations
@@ -44,8 +46,13 @@ from omni_trio.transport import BridgeReceiver, BridgeSender, open_bridge
 Result = dict[str, float]
 
 
-def _summary(n: int, elapsed: float, latencies_ns: list[int]) -> Result:
-    out: Result = {"items": n, "seconds": round(elapsed, 4), "items_per_s": round(n / elapsed)}
+def _summary(n: int, elapsed: float, cpu: float, latencies_ns: list[int]) -> Result:
+    out: Result = {
+        "items": n,
+        "seconds": round(elapsed, 4),
+        "items_per_s": round(n / elapsed),
+        "cpu_s": round(cpu, 4),
+    }
     if latencies_ns:
         us = sorted(x / 1000 for x in latencies_ns)
         out["latency_p50_us"] = round(statistics.median(us), 1)
@@ -72,7 +79,9 @@ async def _receive_batched(rx: BridgeReceiver[int]) -> AsyncIterator[int]:
             yield item
 
 
-def run_bridge(n: int, gap_s: float, max_buffer: int, *, batched: bool = False) -> Result:
+def run_bridge(
+    n: int, gap_s: float, max_buffer: int, *, batched: bool = False, idle_s: float = 0.0
+) -> Result:
     tx: BridgeSender[int]
     rx: BridgeReceiver[int]
     tx, rx = open_bridge(max_buffer, name="bench")
@@ -80,6 +89,7 @@ def run_bridge(n: int, gap_s: float, max_buffer: int, *, batched: bool = False) 
     send = _send_batched if batched else BridgeSender.send
 
     async def produce() -> None:
+        await trio.sleep(idle_s)
         async with tx:
             if not stamped:
                 for i in range(n):
@@ -92,17 +102,17 @@ def run_bridge(n: int, gap_s: float, max_buffer: int, *, batched: bool = False) 
     async def consume() -> Result:
         latencies: list[int] = []
         count = 0
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.to_thread.run_sync, trio.run, produce)
             async for item in _receive_batched(rx) if batched else rx:
                 count += 1
                 if stamped:
                     latencies.append(time.perf_counter_ns() - item)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         assert count == n, (count, n)
         assert rx.statistics().items_in_flight == 0
-        return _summary(n, elapsed, latencies)
+        return _summary(n, elapsed, cpu, latencies)
 
     return trio.run(consume)
 
@@ -111,7 +121,7 @@ _DONE = object()
 
 
 def _janus_producer(
-    n: int, gap_s: float, maxsize: int, ready: Callable[[Any], None]
+    n: int, gap_s: float, maxsize: int, idle_s: float, ready: Callable[[Any], None]
 ) -> Callable[[], None]:
     import janus
 
@@ -119,6 +129,7 @@ def _janus_producer(
         # janus binds its async side to the loop that creates it: the orchestrator's loop.
         q: janus.Queue[Any] = janus.Queue(maxsize=maxsize)
         ready(q)
+        await asyncio.sleep(idle_s)
         if gap_s <= 0:
             for i in range(n):
                 await q.async_q.put(i)
@@ -134,15 +145,15 @@ def _janus_producer(
     return lambda: asyncio.run(produce())
 
 
-def run_janus(n: int, gap_s: float, max_buffer: int, *, poll: bool) -> Result:
+def run_janus(n: int, gap_s: float, max_buffer: int, *, poll: bool, idle_s: float = 0.0) -> Result:
     got_queue: queue.Queue[Any] = queue.Queue()
     producer = threading.Thread(
-        target=_janus_producer(n, gap_s, 0 if poll else max_buffer, got_queue.put),
+        target=_janus_producer(n, gap_s, 0 if poll else max_buffer, idle_s, got_queue.put),
         name="orchestrator",
     )
     stamped = gap_s > 0
     latencies: list[int] = []
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     producer.start()
     q = got_queue.get()
     count = 0
@@ -173,10 +184,10 @@ def run_janus(n: int, gap_s: float, max_buffer: int, *, poll: bool) -> Result:
             count += 1
             if stamped:
                 latencies.append(time.perf_counter_ns() - item)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     producer.join()
     assert count == n, (count, n)
-    return _summary(n, elapsed, latencies)
+    return _summary(n, elapsed, cpu, latencies)
 
 
 def _ratio(a: float, b: float) -> float:
@@ -189,13 +200,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--latency-items", type=int, default=5_000)
     parser.add_argument("--gap-us", type=float, default=200.0, help="pacing of the latency run")
     parser.add_argument("--max-buffer", type=int, default=64)
+    parser.add_argument("--idle-s", type=float, default=1.0, help="idle run: consumer waits")
     args = parser.parse_args(argv)
     gap_s = args.gap_us / 1e6
-    transports: dict[str, Callable[[int, float], Result]] = {
-        "bridge": lambda n, g: run_bridge(n, g, args.max_buffer),
-        "bridge_batched": lambda n, g: run_bridge(n, g, args.max_buffer, batched=True),
-        "janus_poll": lambda n, g: run_janus(n, g, args.max_buffer, poll=True),
-        "janus_blocking": lambda n, g: run_janus(n, g, args.max_buffer, poll=False),
+    transports: dict[str, Callable[..., Result]] = {
+        "bridge": lambda n, g, **kw: run_bridge(n, g, args.max_buffer, **kw),
+        "bridge_batched": lambda n, g, **kw: run_bridge(n, g, args.max_buffer, batched=True, **kw),
+        "janus_poll": lambda n, g, **kw: run_janus(n, g, args.max_buffer, poll=True, **kw),
+        "janus_blocking": lambda n, g, **kw: run_janus(n, g, args.max_buffer, poll=False, **kw),
     }
     results: dict[str, Any] = {
         "benchmark": "bridge",
@@ -206,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results[name] = {
             "throughput": run(args.items, 0.0),
             "latency": run(args.latency_items, gap_s),
+            "idle": run(0, 0.0, idle_s=args.idle_s),
         }
     ratios: dict[str, float] = {}
     for mine in ("bridge", "bridge_batched"):
@@ -219,6 +232,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ratios[f"latency_{q}_{name}_over_{mine}"] = _ratio(
                     other["latency"][f"latency_{q}_us"], bridge["latency"][f"latency_{q}_us"]
                 )
+        ratios[f"idle_cpu_s_{mine}"] = bridge["idle"]["cpu_s"]
+    for name in ("janus_poll", "janus_blocking"):
+        ratios[f"idle_cpu_s_{name}"] = results[name]["idle"]["cpu_s"]
     results["ratios"] = ratios
     print(json.dumps(results, indent=2))
     return results
