@@ -106,9 +106,10 @@ class TinyVocoder(nn.Module):
         self.vocab_size = spec.vocab_size
         c = spec.channels
         self.embed = nn.Embedding(spec.vocab_size, c)
-        self.convs = nn.ModuleList([_CausalConv1d(c, c, 3), _CausalConv1d(c, c, 3)])
+        convs = [_CausalConv1d(c, c, 3), _CausalConv1d(c, c, 3)]
+        self.convs = nn.ModuleList(convs)
         #: left context (in codes) a chunk needs to decode exactly as in a one-shot run
-        self.context_codes = sum(conv.kernel_size[0] - 1 for conv in self.convs)
+        self.context_codes = sum(conv.kernel_size[0] - 1 for conv in convs)
         ups: list[nn.Module] = []
         width = c
         for i, factor in enumerate(spec.upsample):

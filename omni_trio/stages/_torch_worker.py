@@ -7,7 +7,7 @@ so importing this module (and :mod:`omni_trio.stages.torch`) stays light.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +66,11 @@ def _optional_int(module: Any, name: str, factory: str) -> int | None:
     return value
 
 
-def load_module(factory: str, options: Mapping[str, Any], torch_threads: int | None) -> ModuleInfo:
+def load_module(
+    factory: str | Callable[[dict[str, Any]], Any],
+    options: Mapping[str, Any],
+    torch_threads: int | None,
+) -> ModuleInfo:
     """Import ``factory`` (``"package.module:callable"``), call it with ``options``, check the
     result against the module protocol with a one-code warm-up run. Blocking.
 
@@ -76,13 +80,17 @@ def load_module(factory: str, options: Mapping[str, Any], torch_threads: int | N
     torch = import_torch()
     if torch_threads is not None:
         torch.set_num_threads(int(torch_threads))
-    module_name, _, attr = factory.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        if isinstance(exc, BackendUnavailableError):
-            raise
-        raise ConfigError(f"cannot load torch module factory {factory!r}: {exc}") from exc
+    if callable(factory):
+        fn = factory
+        factory = getattr(factory, "__qualname__", repr(factory))
+    else:
+        module_name, _, attr = factory.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            if isinstance(exc, BackendUnavailableError):
+                raise
+            raise ConfigError(f"cannot load torch module factory {factory!r}: {exc}") from exc
     try:
         module = fn(dict(options))
     except (ConfigError, BackendUnavailableError):

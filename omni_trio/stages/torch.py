@@ -20,8 +20,9 @@ Module protocol (what a ``factory`` must return)::
 ``forward`` must be causal along T (frame t depends on codes <= t): batches are right-padded
 with code 0 and the padding frames cut off, so a request's result equals running it alone.
 
-Options (under the stage's ``options:``): ``factory`` (``"package.module:callable"``, default
-the tiny vocoder's :func:`~omni_trio.models.vocoder.build_vocoder`), ``max_batch_size`` (8),
+Options (under the stage's ``options:``): ``factory`` (``"package.module:callable"``, or the
+callable itself in a config built in Python; default the tiny vocoder's
+:func:`~omni_trio.models.vocoder.build_vocoder`), ``max_batch_size`` (8),
 ``max_batch_delay_s`` (0.005), ``max_concurrency`` (1), ``chunk_size`` (16 codes per streamed
 output chunk), ``torch_threads`` (``torch.set_num_threads``, process-wide; default: leave),
 ``shutdown_timeout``. Every other key (``weights``, ``seed``, ...) goes to the factory as its
@@ -41,7 +42,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +70,7 @@ _DEFAULT_FACTORY = "omni_trio.models.vocoder:build_vocoder"
 class TorchOptions:
     """The backend's own options (the rest of ``options`` goes to the factory)."""
 
-    factory: str = _DEFAULT_FACTORY
+    factory: str | Callable[[dict[str, Any]], Any] = _DEFAULT_FACTORY
     max_batch_size: int = 8
     max_batch_delay_s: float = 0.005
     max_concurrency: int = 1
@@ -90,7 +91,9 @@ def parse_torch_options(
         opts = TorchOptions(**own)
     except TypeError as exc:  # pragma: no cover - keys are filtered above
         raise ConfigError(str(exc), path=where) from None
-    if not isinstance(opts.factory, str) or ":" not in opts.factory:
+    if not callable(opts.factory) and (
+        not isinstance(opts.factory, str) or ":" not in opts.factory
+    ):
         raise ConfigError(
             f"factory must be 'package.module:callable', got {opts.factory!r}",
             path=f"{where}.factory",

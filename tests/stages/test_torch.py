@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,11 @@ async def run_one(
 def one_shot(vocoder: torch.nn.Module, codes: Sequence[int]) -> np.ndarray:
     with torch.inference_mode():
         return vocoder(torch.tensor([list(codes)], dtype=torch.long))[0].numpy()
+
+
+def metrics_of(out: StageOutput) -> Mapping[str, Any]:
+    assert out.metrics is not None
+    return out.metrics
 
 
 def codes_for(i: int, n: int) -> tuple[int, ...]:
@@ -172,7 +177,7 @@ async def test_concurrent_requests_batch_to_ceil_n_over_size(
     for i, n in enumerate(lengths):
         (out,) = results[f"r{i}"]
         assert out.finished and out.metrics is not None
-        assert out.metrics["batch_size"] == 4 and out.metrics["sample_rate"] == 16_000
+        assert metrics_of(out)["batch_size"] == 4 and metrics_of(out)["sample_rate"] == 16_000
         assert out.data.dtype == np.float32 and out.data.shape == (n * 160,)
         # padding in a batch must not change a request's audio
         np.testing.assert_allclose(out.data, one_shot(vocoder, codes_for(i, n)), atol=1e-5)
@@ -192,7 +197,7 @@ async def test_partial_batch_flushes_after_delay(cache_dir: Path) -> None:
                 requests.start_soon(one, i)
     stats = backend.batching_statistics()
     assert stats.batches_run == 2 and stats.items_run == 6
-    assert sorted(r[0].metrics["batch_size"] for r in results) == [2, 2, 4, 4, 4, 4]
+    assert sorted(metrics_of(r[0])["batch_size"] for r in results) == [2, 2, 4, 4, 4, 4]
 
 
 async def test_delay_flush_on_the_trio_clock(
@@ -212,7 +217,7 @@ async def test_delay_flush_on_the_trio_clock(
         assert backend.batching_statistics().pending == 1  # not yet: the delay is not over
         assert backend.batching_statistics().batches_run == 0
         mock_clock.jump(0.2)
-    assert results[0][0].metrics["batch_size"] == 1
+    assert metrics_of(results[0][0])["batch_size"] == 1
     assert backend.batching_statistics().batches_run == 1
 
 
@@ -239,7 +244,7 @@ async def test_cancel_in_pending_batch_never_runs(cache_dir: Path) -> None:
     stats = backend.batching_statistics()
     # the batch of 4 held only the 4 live requests: the cancelled one never ran
     assert stats.batches_run == 1 and stats.items_run == 4
-    assert all(results[f"ok{i}"][0].metrics["batch_size"] == 4 for i in range(4))
+    assert all(metrics_of(results[f"ok{i}"][0])["batch_size"] == 4 for i in range(4))
     assert backend.requests_in_flight == 0 and backend.statistics().requests_aborted == 1
 
 
@@ -293,7 +298,7 @@ async def test_abort_while_batch_runs_drops_only_that_result(
             module.gate.set()
     assert len(failures) == 1 and "gone" not in results
     (kept,) = results["kept"]
-    assert kept.metrics["batch_size"] == 2
+    assert metrics_of(kept)["batch_size"] == 2
     np.testing.assert_allclose(kept.data, one_shot(vocoder, codes_for(1, 12)), atol=1e-5)
     stats = backend.batching_statistics()
     assert stats.dropped_running == 1 and stats.running_batches == 0
@@ -324,7 +329,7 @@ async def test_streamed_chunks_arrive_early_and_equal_one_shot(
             await send.send(StageInput(token_ids=codes[20:], final=True))
             async for out in out_receive:
                 outs.append(out)
-    assert [o.metrics["codes"] for o in outs] == [16, 16, 13]
+    assert [metrics_of(o)["codes"] for o in outs] == [16, 16, 13]
     assert [o.finished for o in outs] == [False, False, True]
     audio = np.concatenate([o.data for o in outs])
     np.testing.assert_allclose(audio, one_shot(vocoder, codes), atol=1e-5)
