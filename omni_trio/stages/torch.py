@@ -33,6 +33,13 @@ emits each audio chunk at once (the remainder at the end), so audio starts befor
 finishes. Outputs: ``StageOutput(data=numpy array, metrics={batch_size, batch_index,
 compute_s, sample_rate, codes, chunk_index})``; the last one has ``finished=True``.
 
+Cancellation: a request cancelled (or aborted) while its item waits for a batch is removed
+from the queue and never runs; one cancelled while its batch runs gets nothing further (its
+row is dropped, the rest of the batch is delivered). Stopping the replica cannot interrupt a
+worker thread: ``serve`` returns only after the running batches have left the module (their
+results are still delivered), and requests still queued end aborted. A module error in a
+batch is retried per item, so it fails only the request that causes it (:class:`StageError`).
+
 ``collective_rpc`` methods: ``sample_rate``, ``hop_length``, ``vocab_size``, ``num_parameters``,
 ``describe`` (all of these as a dict) and ``batching_statistics``.
 """

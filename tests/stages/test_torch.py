@@ -259,11 +259,16 @@ class GatedVocoder(torch.nn.Module):
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()
+        self.exited = threading.Event()
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        self.exited.clear()
         self.entered.set()
         self.gate.wait(GUARD_S)
-        return self.inner(codes)
+        try:
+            return self.inner(codes)
+        finally:
+            self.exited.set()
 
 
 def gated_factory(vocoder: torch.nn.Module) -> tuple[GatedVocoder, Callable[[dict], Any]]:
@@ -302,6 +307,49 @@ async def test_abort_while_batch_runs_drops_only_that_result(
     np.testing.assert_allclose(kept.data, one_shot(vocoder, codes_for(1, 12)), atol=1e-5)
     stats = backend.batching_statistics()
     assert stats.dropped_running == 1 and stats.running_batches == 0
+    assert backend.requests_in_flight == 0
+
+
+async def test_shutdown_waits_for_the_running_batch(
+    cache_dir: Path, vocoder: torch.nn.Module
+) -> None:
+    """Stopping a replica cannot interrupt a worker thread: serve returns only after the
+    running batch left the module (its result is still delivered); pending requests abort."""
+    module, factory = gated_factory(vocoder)
+    backend = make_backend(cache_dir, factory=factory, max_batch_size=1)
+    results: dict[str, list[StageOutput]] = {}
+    aborted: list[str] = []
+    serve_returned = trio.Event()
+
+    async def request(rid: str) -> None:
+        try:
+            results[rid] = await run_one(backend, rid, [StageInput(token_ids=codes_for(0, 8))])
+        except StageAborted:
+            aborted.append(rid)
+
+    async def open_gate_later() -> None:
+        await trio.testing.wait_all_tasks_blocked()
+        assert not serve_returned.is_set()  # serve is waiting for the thread
+        module.gate.set()
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as outer:
+            async with trio.open_nursery() as server:
+                await server.start(backend.serve)
+                module.gate.clear()
+                module.entered.clear()
+                outer.start_soon(request, "running")
+                await trio.to_thread.run_sync(module.entered.wait)
+                outer.start_soon(request, "pending")
+                await trio.testing.wait_all_tasks_blocked()
+                assert backend.batching_statistics().pending == 1
+                server.cancel_scope.cancel()  # stop the replica while its batch runs
+                outer.start_soon(open_gate_later)
+            serve_returned.set()
+            # serve returned only after the worker thread left the module
+            assert module.exited.is_set() and not backend.alive
+    assert list(results) == ["running"] and results["running"][-1].finished
+    assert aborted == ["pending"] and backend.batching_statistics().dropped_pending == 1
     assert backend.requests_in_flight == 0
 
 
