@@ -422,6 +422,49 @@ async def test_bad_input_fails_only_that_request(
     assert backend.statistics().requests_failed == 1 and backend.requests_in_flight == 0
 
 
+class PoisonVocoder(torch.nn.Module):
+    """The tiny vocoder, but code 511 makes forward raise (a module bug one input triggers)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.sample_rate, self.hop_length = inner.sample_rate, inner.hop_length
+        self.vocab_size, self.context_codes = inner.vocab_size, inner.context_codes
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        if bool((codes == 511).any()):
+            raise RuntimeError("code 511 breaks this module")
+        return self.inner(codes)
+
+
+async def test_module_error_fails_only_the_request_that_causes_it(
+    cache_dir: Path, vocoder: torch.nn.Module
+) -> None:
+    module = PoisonVocoder(vocoder)
+    backend = make_backend(
+        cache_dir, factory=lambda options: module, max_batch_size=2, max_batch_delay_s=GUARD_S
+    )
+    good: list[list[StageOutput]] = []
+    errors: list[StageError] = []
+
+    async def one(rid: str, codes: tuple[int, ...]) -> None:
+        try:
+            good.append(await run_one(backend, rid, [StageInput(token_ids=codes)]))
+        except StageError as exc:
+            errors.append(exc)
+
+    with trio.fail_after(GUARD_S):
+        async with serving(backend), trio.open_nursery() as requests:
+            requests.start_soon(one, "good", codes_for(1, 8))
+            requests.start_soon(one, "poison", (3, 511, 4))
+    (error,) = errors
+    assert error.request_id == "poison" and "code 511 breaks this module" in str(error)
+    assert metrics_of(good[0][0])["batch_size"] == 2  # it shared the failed batch
+    np.testing.assert_allclose(good[0][0].data, one_shot(vocoder, codes_for(1, 8)), atol=1e-5)
+    assert backend.batching_statistics().batches_run == 1
+    assert backend.statistics().requests_failed == 1 and backend.statistics().requests_finished == 1
+
+
 async def test_rpc_reports_the_module(cache_dir: Path, vocoder: torch.nn.Module) -> None:
     backend = make_backend(cache_dir)
     with trio.fail_after(GUARD_S):
