@@ -150,6 +150,7 @@ def import_vllm() -> Any:
             import trio_asyncio
             import vllm.v1.engine.exceptions as exceptions
             from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.exceptions import VLLMValidationError
             from vllm.platforms import current_platform
             from vllm.renderers.inputs.preprocess import parse_model_prompt
             from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -163,6 +164,7 @@ def import_vllm() -> Any:
         AsyncEngineArgs=AsyncEngineArgs,
         AsyncLLM=AsyncLLM,
         EngineDeadError=exceptions.EngineDeadError,
+        ValidationError=VLLMValidationError,
         SamplingParams=SamplingParams,
         DELTA=RequestOutputKind.DELTA,
         parse_model_prompt=parse_model_prompt,
@@ -389,7 +391,7 @@ class EngineWorker:
                 try:
                     params = self._sampling_params(sub.sampling_params)
                     prompt = self._render(sub.prompt)
-                except (InvalidRequestError, ValueError, TypeError) as exc:
+                except (InvalidRequestError, v.ValidationError, ValueError, TypeError) as exc:
                     await out.send(Failed(_as_invalid(exc)))
                     return
                 q = await v.trio_asyncio.aio_as_trio(engine.add_request)(

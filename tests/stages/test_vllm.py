@@ -1,0 +1,332 @@
+"""The vllm backend against real AsyncLLM engines (tiny local models, CPU).
+
+Each test is one engine session doing several checks (an engine start costs ~20 s). Token
+equality is checked against a hand-driven asyncio AsyncLLM program run in a subprocess
+(``vllm_reference.py``), started in parallel with the engine under test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import trio
+
+import omni_trio
+from omni_trio.config import StageConfig
+from omni_trio.errors import InvalidRequestError, ReplicaDeadError
+from omni_trio.outputs import StageInput, StageOutput
+from omni_trio.stages._abc import StageAborted
+from omni_trio.stages.vllm import THREAD_PREFIX, VllmBackend
+
+pytestmark = pytest.mark.vllm
+
+REFERENCE = Path(__file__).with_name("vllm_reference.py")
+THINKER = {"model": "tiny:thinker"}
+TALKER = {"model": "tiny:talker"}
+GREEDY = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+PROMPTS = ["hello tiny world", "the river and the moon sing a song"]
+
+
+# -- helpers ------------------------------------------------------------------------------
+async def reference(stages: list[dict[str, Any]], prompts: list[Any], max_tokens: int) -> Any:
+    spec = {"stages": stages, "prompts": prompts, "max_tokens": max_tokens}
+    proc = await trio.run_process(
+        [sys.executable, str(REFERENCE), json.dumps(spec)],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    for line in proc.stdout.decode().splitlines():
+        if line.startswith("REFERENCE "):
+            return json.loads(line.removeprefix("REFERENCE "))["results"]
+    raise AssertionError(f"reference run failed: {proc.stderr.decode()[-3000:]}")
+
+
+def leftover_engine_processes() -> list[psutil.Process]:
+    """EngineCore/worker processes (spawned children) or zombies still under this process."""
+    left = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE or any("spawn_main" in c for c in p.cmdline()):
+                left.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return left
+
+
+def our_threads() -> list[str]:
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith(THREAD_PREFIX) or t.name.endswith("-build")
+    ]
+
+
+def one_chunk(chunk: StageInput) -> trio.MemoryReceiveChannel[StageInput]:
+    tx, rx = trio.open_memory_channel[StageInput](1)
+    tx.send_nowait(chunk)
+    tx.close()
+    return rx
+
+
+async def run(
+    backend: VllmBackend, rid: str, chunk: StageInput, sp: Any = None
+) -> list[StageOutput]:
+    outs: list[StageOutput] = []
+
+    async def emit(o: StageOutput) -> None:
+        outs.append(o)
+
+    await backend.run_request(rid, one_chunk(chunk), sp if sp is not None else GREEDY, emit)
+    return outs
+
+
+def tokens(outs: list[StageOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def stage(sid: str, engine_args: dict[str, Any], **kw: Any) -> StageConfig:
+    return StageConfig(id=sid, backend="vllm", engine_args=engine_args, **kw)
+
+
+# -- backend-level ------------------------------------------------------------------------
+async def test_backend_streams_greedy_tokens_aborts_and_cleans_up() -> None:
+    threads_before = {t.name for t in threading.enumerate()}
+    backend = VllmBackend(stage("thinker", THINKER), stage_index=0)
+    ref: list[Any] = []
+    ref_done = trio.Event()
+    async with trio.open_nursery() as nursery:
+
+        async def get_reference() -> None:
+            ref.extend(await reference([THINKER], PROMPTS, GREEDY["max_tokens"]))
+            ref_done.set()
+
+        nursery.start_soon(get_reference)
+        await nursery.start(backend.serve)
+        assert backend.alive and len(backend.core_pids) == 1
+        assert "alive" in repr(backend) and str(backend.core_pids[0]) in repr(backend)
+
+        # text prompts: streamed deltas, last one finished with vLLM's reason and metrics
+        by_text = [await run(backend, f"t{i}", StageInput(prompt=p)) for i, p in enumerate(PROMPTS)]
+        for outs in by_text:
+            assert len(outs) > 1 and all(len(o.token_ids) >= 1 for o in outs)
+            assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+            assert outs[-1].finish_reason == "length"
+            assert len(tokens(outs)) == GREEDY["max_tokens"]
+            assert outs[-1].metrics is not None and outs[-1].metrics["num_generation_tokens"] == 24
+        # token-id and prompt-dict inputs continue the same greedy sequence
+        first = tokens(by_text[0])
+        by_ids = await run(backend, "ids", StageInput(token_ids=tuple(first[:8])))
+        by_dict = await run(backend, "dict", StageInput(data={"prompt_token_ids": first[:8]}))
+        assert tokens(by_ids) == tokens(by_dict)
+        # a vllm SamplingParams object is used as is (and forced to DELTA)
+        from vllm.sampling_params import SamplingParams
+
+        by_obj = await run(backend, "obj", StageInput(prompt=PROMPTS[0]), SamplingParams(**GREEDY))
+        assert tokens(by_obj) == first and len(by_obj) > 1
+
+        # bad sampling params fail that request only, typed, naming the key
+        with pytest.raises(InvalidRequestError, match="max_tokenz"):
+            await run(backend, "bad", StageInput(prompt="x"), {"max_tokenz": 3})
+        with pytest.raises(InvalidRequestError, match="temperature"):
+            await run(backend, "bad2", StageInput(prompt="x"), {"temperature": -1.0})
+
+        # cancelling the caller mid-stream aborts in the engine before run_request returns
+        long = {**GREEDY, "max_tokens": 200}
+        seen: list[StageOutput] = []
+        with trio.CancelScope() as cancel:
+
+            async def emit_then_cancel(o: StageOutput) -> None:
+                seen.append(o)
+                if len(seen) == 3:
+                    cancel.cancel()
+
+            await backend.run_request(
+                "cancel-me", one_chunk(StageInput(prompt=PROMPTS[1])), long, emit_then_cancel
+            )
+        assert cancel.cancelled_caught and len(seen) >= 3
+        assert await backend.collective_rpc("get_num_unfinished_requests") == 0
+        assert backend.requests_in_flight == 0
+
+        # abort() returns the partial outputs, a prefix of the full greedy stream
+        got_some = trio.Event()
+        aborted: list[BaseException] = []
+
+        async def doomed() -> None:
+            async def emit(o: StageOutput) -> None:
+                if len(backend.partial_outputs("doomed")) >= 3:
+                    got_some.set()
+
+            try:
+                await backend.run_request(
+                    "doomed", one_chunk(StageInput(prompt=PROMPTS[0])), long, emit
+                )
+            except StageAborted as exc:
+                aborted.append(exc)
+
+        nursery.start_soon(doomed)
+        await got_some.wait()
+        partial = await backend.abort("doomed")
+        assert aborted and len(partial) >= 3 and not partial[-1].finished
+        assert tokens(partial) == first[: len(tokens(partial))]
+        assert await backend.collective_rpc("get_num_unfinished_requests") == 0
+
+        # collective_rpc passes through to the engine's workers; control calls answer too
+        assert await backend.collective_rpc("engine_core_pids") == list(backend.core_pids)
+        assert await backend.collective_rpc("check_health") is None
+        ranks = await backend.collective_rpc("get_kv_connector_handshake_metadata")
+        assert isinstance(ranks, list) and len(ranks) == 1  # one answer per worker rank
+        stats = backend.statistics()
+        assert stats.requests_in_flight == 0 and stats.requests_aborted == 2
+        assert stats.requests_failed == 2 and stats.requests_finished >= 5
+
+        await ref_done.wait()  # the reference subprocess finishes in its own time
+        nursery.cancel_scope.cancel()
+
+    # same greedy tokens as the hand-driven AsyncLLM
+    assert [tokens(o) for o in by_text] == [r[0] for r in ref]
+    # nothing left: no EngineCore, no worker thread
+    assert leftover_engine_processes() == []
+    assert our_threads() == []
+    new = {t.name for t in threading.enumerate()} - threads_before - {"tqdm_monitor"}
+    assert {n for n in new if not n.startswith("Trio thread")} == set()
+    assert not backend.alive and "stopped" in repr(backend)
+
+
+async def test_killed_engine_core_fails_only_its_replica() -> None:
+    cfg = stage("thinker", THINKER, options={"cpu_bind": ["0", "1"]})
+    b0, b1 = (VllmBackend(cfg, stage_index=0, replica=r) for r in (0, 1))
+    b0_returned = trio.Event()
+    errors: list[BaseException] = []
+    async with trio.open_nursery() as nursery:
+
+        async def serve0(*, task_status: trio.TaskStatus[None]) -> None:
+            await b0.serve(task_status=task_status)
+            b0_returned.set()
+
+        async with trio.open_nursery() as starters:  # both engines start at once
+            starters.start_soon(nursery.start, serve0)
+            starters.start_soon(nursery.start, b1.serve)
+        assert b0.alive and b1.alive and b0.core_pids != b1.core_pids
+        # per-engine CPU binding: each engine's model worker is pinned to its own core
+        affinities = []
+        for b in (b0, b1):
+            workers = psutil.Process(b.core_pids[0]).children()
+            affinities.append(sorted({c for w in workers for c in w.cpu_affinity()}))
+        if os.cpu_count() and os.cpu_count() >= 2:
+            assert affinities == [[0], [1]], affinities
+
+        long = {**GREEDY, "max_tokens": 200}
+
+        async def on_b0() -> None:
+            async def emit(o: StageOutput) -> None:
+                if len(b0.partial_outputs("victim")) == 2:
+                    os.kill(b0.core_pids[0], signal.SIGKILL)
+
+            try:
+                await b0.run_request("victim", one_chunk(StageInput(prompt="hi")), long, emit)
+            except ReplicaDeadError as exc:
+                errors.append(exc)
+
+        survivor: list[StageOutput] = []
+
+        async def on_b1() -> None:
+            survivor.extend(await run(b1, "survivor", StageInput(prompt="hi"), long))
+
+        async with trio.open_nursery() as reqs:
+            reqs.start_soon(on_b0)
+            reqs.start_soon(on_b1)
+        with trio.fail_after(60):
+            await b0_returned.wait()  # the dead replica's serve() returned by itself
+        assert len(errors) == 1 and errors[0].replica == 0
+        assert not b0.alive and "dead" in repr(b0)
+        assert b1.alive and len(tokens(survivor)) == 200 and survivor[-1].finished
+        with pytest.raises(ReplicaDeadError):
+            await run(b0, "after", StageInput(prompt="hi"))
+        assert len(await run(b1, "after", StageInput(prompt="hi"))) > 1
+        nursery.cancel_scope.cancel()
+    assert leftover_engine_processes() == []
+    assert our_threads() == []
+
+
+async def test_cancelled_start_kills_the_half_built_engine() -> None:
+    backend = VllmBackend(stage("thinker", THINKER), stage_index=0)
+    async with trio.open_nursery() as nursery:
+        with trio.move_on_after(6) as start_scope:
+            await nursery.start(backend.serve)
+        t_cancel = time.perf_counter()
+    assert start_scope.cancelled_caught and not backend.alive
+    assert time.perf_counter() - t_cancel < 30  # bounded, not the ~20 s of a full start
+    assert leftover_engine_processes() == []
+    assert our_threads() == []
+
+
+# -- engine-level -------------------------------------------------------------------------
+async def test_open_engine_one_and_two_stage_pipelines_match_hand_driven() -> None:
+    config = {
+        "name": "tiny-llm-chain",
+        "stages": [
+            {
+                "id": "thinker",
+                "backend": "vllm",
+                "engine_args": THINKER,
+                "final_output": True,
+                "default_sampling_params": GREEDY,
+                "options": {"cpu_bind": "0"},
+            },
+            {
+                "id": "talker",
+                "backend": "vllm",
+                "inputs": ["thinker"],
+                "engine_args": TALKER,
+                "final_output": True,
+                "output_type": "tokens",
+                "default_sampling_params": GREEDY,
+                "options": {"cpu_bind": "1"},
+            },
+        ],
+    }
+    ref: list[Any] = []
+    async with trio.open_nursery() as refs:
+
+        async def get_reference() -> None:
+            ref.extend(await reference([THINKER, TALKER], PROMPTS, GREEDY["max_tokens"]))
+
+        refs.start_soon(get_reference)
+        got: dict[tuple[int, str], list[int]] = {}
+        one_stage: list[list[int]] = []
+        async with omni_trio.open_engine(config) as engine:
+            for i, prompt in enumerate(PROMPTS):
+                async with engine.generate(prompt, request_id=f"chain-{i}") as stream:
+                    async for out in stream:
+                        got.setdefault((i, out.stage_id), []).extend(out.token_ids)
+                # the one-stage pipeline: stop after the thinker
+                toks: list[int] = []
+                async for out in engine.generate(
+                    prompt, request_id=f"one-{i}", final_stage_id="thinker"
+                ):
+                    assert out.stage_id == "thinker"
+                    toks.extend(out.token_ids)
+                one_stage.append(toks)
+            # leaving a stream early aborts the request in every stage
+            async with engine.generate(PROMPTS[0], request_id="early") as stream:
+                async for _out in stream:
+                    break
+            unfinished = await engine.collective_rpc("get_num_unfinished_requests")
+            assert unfinished == [0, 0]
+            assert engine.statistics().stage_requests_in_flight == 0
+    assert leftover_engine_processes() == []
+    assert our_threads() == []
+    for i in range(len(PROMPTS)):
+        assert got[(i, "thinker")] == ref[i][0]
+        assert got[(i, "talker")] == ref[i][1]
+        assert one_stage[i] == ref[i][0]
