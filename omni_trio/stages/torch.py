@@ -173,6 +173,19 @@ class _Item:
     abandoned: bool = False
 
 
+def _output(
+    info: ModuleInfo, item: _Item | None, n_codes: int, chunk_index: int, last: bool
+) -> StageOutput:
+    metrics = dict(item.metrics) if item is not None else {"batch_size": 0, "compute_s": 0.0}
+    metrics.update(codes=n_codes, chunk_index=chunk_index)
+    if info.sample_rate is not None:
+        metrics["sample_rate"] = info.sample_rate
+    data = item.result if item is not None else info.empty()
+    return StageOutput(
+        data=data, finished=last, finish_reason="stop" if last else None, metrics=metrics
+    )
+
+
 class TorchBackend(StageBackend):
     """One replica of a torch stage. See the module docstring for the protocol and options."""
 
@@ -336,25 +349,12 @@ class TorchBackend(StageBackend):
                 item = await self._decode(request_id, tuple(codes[window_start:end]), trim)
                 done = end
                 last = final and end == len(codes)
-                await emit(self._output(item, end - start, chunk_index, last))
+                await emit(_output(info, item, end - start, chunk_index, last))
                 chunk_index += 1
                 finished = last
         if not finished:
             # no codes at all, or the final chunk brought none: close with an empty output
-            await emit(self._output(None, 0, chunk_index, True))
-
-    def _output(
-        self, item: _Item | None, n_codes: int, chunk_index: int, last: bool
-    ) -> StageOutput:
-        assert self._info is not None
-        metrics = dict(item.metrics) if item is not None else {"batch_size": 0, "compute_s": 0.0}
-        metrics.update(codes=n_codes, chunk_index=chunk_index)
-        if self._info.sample_rate is not None:
-            metrics["sample_rate"] = self._info.sample_rate
-        data = item.result if item is not None else self._info.empty()
-        return StageOutput(
-            data=data, finished=last, finish_reason="stop" if last else None, metrics=metrics
-        )
+            await emit(_output(info, None, 0, chunk_index, True))
 
     # -- control -------------------------------------------------------------------------
     async def _rpc(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:

@@ -185,7 +185,7 @@ async def test_concurrent_requests_batch_to_ceil_n_over_size(
 
 
 async def test_partial_batch_flushes_after_delay(cache_dir: Path) -> None:
-    backend = make_backend(cache_dir, max_batch_size=4, max_batch_delay_s=0.05)
+    backend = make_backend(cache_dir, max_batch_size=4, max_batch_delay_s=0.2)
     results: list[list[StageOutput]] = []
 
     async def one(i: int) -> None:
