@@ -327,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    # vLLM logs every engine's full config at INFO: keep the terminal readable by default
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if args.debug else "WARNING")
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
