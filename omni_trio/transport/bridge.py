@@ -274,16 +274,18 @@ class BridgeSender(_EndBase, anyio.abc.ObjectSendStream[T]):
         ``BrokenResourceError`` as soon as the receiver closes or its loop ends.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        if self._put(item, park=False):
+        if self._put(item, park=True):
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
         core, side = self._core, self._side
-        while not self._put(item, park=True):
+        while True:
             try:
                 await side.lot.park()
             finally:
                 with core.lock:
                     side.waiting -= 1
+            if self._put(item, park=True):
+                return
 
     def _put(self, item: T, *, park: bool) -> bool:
         core, side = self._core, self._side
@@ -292,8 +294,8 @@ class BridgeSender(_EndBase, anyio.abc.ObjectSendStream[T]):
             if side.state != _OPEN:
                 raise anyio.ClosedResourceError(f"bridge {core.name!r}: this sender is closed")
             if core.rx.state != _OPEN:
-                why = "was closed" if core.rx.state == _CLOSED else "loop has finished"
-                raise anyio.BrokenResourceError(f"bridge {core.name!r}: the receiver {why}")
+                why = " was closed" if core.rx.state == _CLOSED else "'s loop has finished"
+                raise anyio.BrokenResourceError(f"bridge {core.name!r}: the receiver{why}")
             if len(core.buffer) >= core.max_buffer:
                 if park:
                     side.waiting += 1
@@ -344,20 +346,20 @@ class BridgeReceiver(_EndBase, anyio.abc.ObjectReceiveStream[T]):
         raises, except ``WouldBlock``.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        got, item = self._take(park=False)
+        got, item = self._take(park=True)
         if got:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return item  # type: ignore[return-value]
         core, side = self._core, self._side
         while True:
-            got, item = self._take(park=True)
-            if got:
-                return item  # type: ignore[return-value]
             try:
                 await side.lot.park()
             finally:
                 with core.lock:
                     side.waiting -= 1
+            got, item = self._take(park=True)
+            if got:
+                return item  # type: ignore[return-value]
 
     def _take(self, *, park: bool) -> tuple[bool, T | None]:
         core, side = self._core, self._side
