@@ -5,6 +5,7 @@ for what needs a real process: the entry module, and ``serve`` under SIGTERM/SIG
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import queue
@@ -273,3 +274,74 @@ def iter_queue(q: queue.Queue[str]):
             yield q.get(timeout=5)
         except queue.Empty:
             return
+
+
+# -- the embedded tiny-omni pipeline on real vLLM engines (slow: ~20-70 s of engine start) ----
+
+
+@pytest.mark.vllm
+def test_demo_end_to_end_streams_text_and_writes_wavs(tmp_path):
+    out_dir = tmp_path / "demo"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "omni_trio",
+            "demo",
+            "--output-dir",
+            str(out_dir),
+            "--prompt",
+            "Hello there.",
+            "--max-tokens",
+            "8",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "random weights" in out and "noise" in out
+    assert "start-up timeline" in out and "thinker" in out and "engine_ready" in out
+    text_line = next(line for line in out.splitlines() if line.startswith("[1] thinker: "))
+    assert len(text_line) > len("[1] thinker: ")  # some (random) text was streamed
+    assert "per-stage timing" in out and "code2wav" in out
+    with wave.open(str(out_dir / "prompt-1.wav")) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 16_000)
+        assert w.getnframes() > 0 and w.getnframes() % 160 == 0  # whole vocoder hops
+
+
+@pytest.mark.vllm
+def test_serve_tiny_omni_chat_and_speech_then_sigterm_leaves_no_engine_process():
+    import openai
+
+    server = Server(["tiny-omni", "--grace-period", "5"])
+    try:
+        port = server.wait_for_port(timeout=600)
+        kids = server.children()
+        assert kids  # vLLM's EngineCore processes
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        resp = client.chat.completions.create(
+            model="tiny-omni", messages=[{"role": "user", "content": "Hi!"}], max_tokens=8
+        )
+        assert isinstance(resp.choices[0].message.content, str)
+        assert resp.usage is not None and 1 <= resp.usage.completion_tokens <= 8
+        assert resp.usage.prompt_tokens > 0  # from vLLM's prompt token ids
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/audio/speech",
+            json={"model": "tiny-omni", "input": "Say something.", "max_tokens": 4},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        with wave.open(io.BytesIO(r.content)) as w:
+            assert w.getframerate() == 16_000 and w.getnframes() > 0
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+        assert health.status_code == 200
+        server.proc.send_signal(signal.SIGTERM)
+        rc = server.proc.wait(120)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+    assert rc == 0, server.proc.stderr.read()[-3000:] if server.proc.stderr else ""
+    assert not alive(kids)
