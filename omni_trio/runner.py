@@ -213,8 +213,8 @@ def format_stage_times(timer: StageTimer) -> str:
     for sid, rows in agg.items():
         mean = sum(t for t, _ in rows) / len(rows)
         firsts = [f for _, f in rows if f is not None]
-        first = f"{sum(firsts) / len(firsts):.3f}s" if firsts else "-"
-        lines.append(f"  {sid:<12} {len(rows)} request(s), {mean:.3f}s in stage, first {first}")
+        ttfo = f"{sum(firsts) / len(firsts):.3f}s" if firsts else "-"
+        lines.append(f"  {sid:<12} {len(rows)} request(s), {mean:.3f}s in stage, first {ttfo}")
     return "\n".join(lines)
 
 

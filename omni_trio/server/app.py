@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
@@ -108,7 +109,8 @@ class _Handlers:
         except RequestValidationError as exc:
             status, body = error_for(exc)
             return JSONResponse(body, status_code=status)
-        return parsed, self.engine.orchestrator.new_request_id()
+        # OpenAI-style ids; random so that two servers' logs never collide
+        return parsed, uuid.uuid4().hex[:24]
 
     async def chat(self, request: Request) -> Any:
         got = await self._guard(request, parse_chat)
@@ -315,7 +317,7 @@ async def serve_http(
     config.accesslog = None
     config.errorlog = logging.getLogger("omni_trio.server.hypercorn")
     config.keep_alive_timeout = 5.0
-    asgi = app if app is not None else create_app(engine)
+    asgi: Any = app if app is not None else create_app(engine)
 
     async def run(*, task_status: trio.TaskStatus[list[str]]) -> None:
         await serve(asgi, config, shutdown_trigger=shutdown_trigger, task_status=task_status)

@@ -157,10 +157,10 @@ class EventStreamResponse:
             if first is not None:
                 await send({"type": "http.response.body", "body": sse(first), "more_body": True})
                 async for event in events:
-                    body = sse(event)
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    chunk = sse(event)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except OmniTrioError as exc:
-            _, body = error_for(exc)
+            _, error = error_for(exc)
             logger.info("stream failed after it started: %s", exc)
-            await send({"type": "http.response.body", "body": sse(body), "more_body": True})
+            await send({"type": "http.response.body", "body": sse(error), "more_body": True})
         await send({"type": "http.response.body", "body": sse("[DONE]"), "more_body": False})

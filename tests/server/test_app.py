@@ -7,6 +7,7 @@ import json
 import wave
 from functools import partial
 
+import httpx
 import openai
 import pytest
 import trio
@@ -118,6 +119,18 @@ async def test_client_disconnect_mid_stream_aborts_the_request_in_every_stage():
             (backend,) = scripted_backends(engine, sid)
             assert len(backend.aborted) == 1, sid
             assert not backend.completed
+
+
+async def test_client_giving_up_on_a_non_streaming_request_aborts_it():
+    cfg = scripted_pipeline(["thinker", "talker"], name="scripted", hang=True)
+    async with running_server(cfg) as (engine, base):
+        async with httpx.AsyncClient(base_url=base, timeout=0.5) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post("/v1/completions", json={"model": "scripted", "prompt": "x"})
+        await wait_until_idle(engine)
+        assert engine.statistics().requests_aborted == 1
+        for sid in ("thinker", "talker"):
+            assert len(scripted_backends(engine, sid)[0].aborted) == 1
 
 
 async def test_bad_requests_get_400_with_an_openai_error_body():

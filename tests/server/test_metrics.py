@@ -59,7 +59,11 @@ async def test_running_waiting_and_abort_counts(autojump_clock):
             await first_output.wait()
             # a second request that has produced nothing yet is "waiting"
             async with engine.generate("y", request_id="r2"):
-                await trio.lowlevel.checkpoint()
+                # let r2's task bind to the stage; checkpoints never advance the MockClock
+                for _ in range(1000):
+                    if engine.statistics().stage_requests_in_flight == 2:
+                        break
+                    await trio.lowlevel.checkpoint()
                 got = scrape(m)
                 assert got[("omni_trio_requests_running", ())] == 1
                 assert got[("omni_trio_requests_waiting", ())] == 1
