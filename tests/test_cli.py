@@ -159,6 +159,18 @@ def test_python_dash_m_entry_point(tmp_path):
     one_line_error(proc.stderr)
 
 
+def test_serve_on_a_taken_port_is_a_one_line_runtime_error(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        assert main(["serve", pipeline(tmp_path), "--port", str(port)]) == 1
+    assert "Address already in use" in one_line_error(capsys.readouterr().err)
+    assert main(["serve", pipeline(tmp_path), "--port", "70000"]) == 2
+
+
 # -- serve under a signal ----------------------------------------------------------------------
 
 
