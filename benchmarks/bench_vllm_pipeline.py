@@ -53,7 +53,7 @@ def run_hand(n: int, tokens: int) -> dict[str, Any]:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from omni_trio.models import resolve_model
-    from omni_trio.stages._vllm_worker import CPU_ENGINE_DEFAULTS
+    from omni_trio.stages._vllm_protocol import CPU_ENGINE_DEFAULTS
 
     def build(args: dict[str, Any], bind: str) -> Any:
         merged = {**CPU_ENGINE_DEFAULTS, **args, "model": resolve_model(args["model"])}

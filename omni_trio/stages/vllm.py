@@ -52,11 +52,10 @@ import trio
 from ..errors import InvalidRequestError, ReplicaDeadError, StageError, StageRPCError
 from ..transport.bridge import BridgeReceiver, BridgeSender, open_bridge
 from ._abc import Emit, InputStream, StageBackend, collect_input
-from ._vllm_worker import (
+from ._vllm_protocol import (
     CPU_ENGINE_DEFAULTS,
     Abort,
     Died,
-    EngineWorker,
     Failed,
     Ready,
     Rpc,
@@ -64,6 +63,7 @@ from ._vllm_worker import (
     StartFailed,
     Submit,
 )
+from ._vllm_worker import EngineWorker
 
 __all__ = ["CPU_ENGINE_DEFAULTS", "VllmBackend"]
 

@@ -38,7 +38,7 @@ async def main(spec: dict) -> dict:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from omni_trio.models import resolve_model
-    from omni_trio.stages._vllm_worker import CPU_ENGINE_DEFAULTS
+    from omni_trio.stages._vllm_protocol import CPU_ENGINE_DEFAULTS
 
     engines = []
     try:
