@@ -27,7 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..errors import NoLiveReplicaError, OmniTrioError, ReplicaDeadError, StageError
+from ..errors import (
+    InvalidRequestError,
+    NoLiveReplicaError,
+    OmniTrioError,
+    ReplicaDeadError,
+    StageError,
+)
 from ..outputs import ReplicaStatistics, StageInput, StageOutput
 
 if TYPE_CHECKING:
@@ -197,7 +203,8 @@ class StageBackend(abc.ABC):
         try:
             with running.scope:
                 await self._run(request_id, inputs, sampling_params, record)
-        except StageError:
+        except (StageError, InvalidRequestError):
+            # request-scoped and already typed: bad input stays an InvalidRequestError
             self._n_failed += 1
             raise
         except trio.Cancelled:
