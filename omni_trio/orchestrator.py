@@ -19,17 +19,17 @@ from typing import Any
 
 import trio
 
-from .config import PipelineConfig, topological_order
+from .config import PipelineConfig
 from .errors import (
     DuplicateRequestError,
     EngineClosedError,
     EngineOverloadedError,
-    InvalidRequestError,
     OmniTrioError,
     StageError,
 )
 from .observer import ObserverSet, payload_nbytes
 from .outputs import FINISH_ABORT, OmniOutput, StageInput, StageOutput
+from .planning import RequestPlan, plan_request, resolve_sampling_params
 from .stages._abc import StageAborted
 from .stages.pool import StagePool
 from .stages.processors import InputProcessor, load_processor
@@ -37,110 +37,6 @@ from .stages.processors import InputProcessor, load_processor
 __all__ = ["Orchestrator", "RequestPlan", "RequestState", "plan_request", "resolve_sampling_params"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class RequestPlan:
-    """Which stages a request runs on (graph order) and which of them the caller receives."""
-
-    active: tuple[str, ...]
-    outputs: tuple[str, ...]
-
-
-def _stage_ref(cfg: PipelineConfig, ref: str | int, what: str) -> str:
-    if isinstance(ref, int) and not isinstance(ref, bool):
-        if 0 <= ref < len(cfg.stages):
-            return cfg.stages[ref].id
-        raise InvalidRequestError(
-            f"{what} {ref} is not a stage index (the pipeline has {len(cfg.stages)} stages)"
-        )
-    if isinstance(ref, str) and ref in cfg.stage_ids:
-        return ref
-    raise InvalidRequestError(
-        f"{what} {ref!r} is not a stage of the pipeline; stages are {cfg.stage_ids}"
-    )
-
-
-def plan_request(
-    cfg: PipelineConfig,
-    final_stage_id: str | int | None = None,
-    output_stages: Sequence[str | int] | None = None,
-) -> RequestPlan:
-    """Decide a request's stages (pure). Raises InvalidRequestError naming the bad stage.
-
-    With ``final_stage_id`` only that stage and what it depends on run; the default
-    ``output_stages`` are the ``final_output`` stages among those, plus the final stage.
-    """
-    allowed = set(cfg.stage_ids)
-    final: str | None = None
-    if final_stage_id is not None:
-        final = _stage_ref(cfg, final_stage_id, "final_stage_id")
-        allowed = cfg.ancestors(final) | {final}
-    if output_stages is None:
-        outs = [s for s in cfg.final_output_stages if s in allowed]
-        if final is not None and final not in outs:
-            outs.append(final)
-    else:
-        if isinstance(output_stages, (str, int)):
-            output_stages = [output_stages]
-        outs = []
-        for ref in output_stages:
-            sid = _stage_ref(cfg, ref, "output stage")
-            if sid not in allowed:
-                raise InvalidRequestError(
-                    f"output stage {sid!r} does not run when final_stage_id is {final!r}: "
-                    f"only {sorted(allowed)} do"
-                )
-            if sid not in outs:
-                outs.append(sid)
-    if not outs:
-        raise InvalidRequestError("the request has no output stage: output_stages is empty")
-    needed: set[str] = set()
-    for sid in outs:
-        needed |= cfg.ancestors(sid) | {sid}
-    active = tuple(s for s in topological_order(cfg) if s in needed)
-    order = cfg.stage_ids
-    return RequestPlan(active=active, outputs=tuple(sorted(outs, key=order.index)))
-
-
-def resolve_sampling_params(cfg: PipelineConfig, value: Any) -> dict[str, Any]:
-    """Per-stage sampling params (pure): ``value`` is one value for all stages, a list (one per
-    stage), or a dict keyed by stage id (or index). Plain dicts are merged over each stage's
-    ``default_sampling_params``; other objects (a vLLM ``SamplingParams``) pass unchanged."""
-    ids = cfg.stage_ids
-    per_stage: dict[str, Any]
-    if value is None:
-        per_stage = {sid: None for sid in ids}
-    elif isinstance(value, (list, tuple)):
-        if len(value) != len(ids):
-            raise InvalidRequestError(
-                f"sampling_params as a list needs one entry per stage ({len(ids)}: {ids}), "
-                f"got {len(value)}"
-            )
-        per_stage = dict(zip(ids, value, strict=True))
-    elif (
-        isinstance(value, Mapping)
-        and value
-        and all(
-            (isinstance(k, str) and k in ids) or (isinstance(k, int) and 0 <= k < len(ids))
-            for k in value
-        )
-    ):
-        per_stage = {sid: None for sid in ids}
-        for k, v in value.items():
-            per_stage[ids[k] if isinstance(k, int) else k] = v
-    else:
-        per_stage = {sid: value for sid in ids}
-    out: dict[str, Any] = {}
-    for st in cfg.stages:
-        v = per_stage[st.id]
-        if v is None:
-            out[st.id] = dict(st.default_sampling_params)
-        elif isinstance(v, Mapping):
-            out[st.id] = {**st.default_sampling_params, **v}
-        else:
-            out[st.id] = v
-    return out
 
 
 @dataclass(eq=False)

@@ -1,0 +1,43 @@
+import pytest
+
+from omni_trio import InvalidRequestError, load_config
+from omni_trio.planning import plan_request, resolve_sampling_params
+from omni_trio.testing import scripted_pipeline
+
+
+def test_plan_request_is_pure():
+    cfg = scripted_pipeline(["a", "b", "c"], final_outputs=["a", "c"])
+    assert plan_request(cfg) == plan_request(cfg, None, None)
+    plan = plan_request(cfg)
+    assert plan.active == ("a", "b", "c") and plan.outputs == ("a", "c")
+    plan = plan_request(cfg, final_stage_id="b")
+    assert plan.active == ("a", "b") and plan.outputs == ("a", "b")
+    plan = plan_request(cfg, output_stages=["b"])
+    assert plan.active == ("a", "b") and plan.outputs == ("b",)
+    with pytest.raises(InvalidRequestError, match="7 is not a stage index"):
+        plan_request(cfg, final_stage_id=7)
+
+
+def test_sampling_params_resolution():
+    cfg = load_config(
+        {
+            "stages": [
+                {"id": "a", "default_sampling_params": {"max_tokens": 4, "temperature": 0.0}},
+                {"id": "b", "inputs": ["a"], "final_output": True},
+            ]
+        }
+    )
+    assert resolve_sampling_params(cfg, None) == {
+        "a": {"max_tokens": 4, "temperature": 0.0},
+        "b": {},
+    }
+    assert resolve_sampling_params(cfg, {"max_tokens": 9}) == {
+        "a": {"max_tokens": 9, "temperature": 0.0},
+        "b": {"max_tokens": 9},
+    }
+    assert resolve_sampling_params(cfg, [{"top_p": 0.5}, None])["a"]["top_p"] == 0.5
+    by_id = resolve_sampling_params(cfg, {"b": {"max_tokens": 1}})
+    assert by_id["a"] == {"max_tokens": 4, "temperature": 0.0} and by_id["b"] == {"max_tokens": 1}
+    assert resolve_sampling_params(cfg, {1: {"max_tokens": 2}})["b"] == {"max_tokens": 2}
+    marker = object()
+    assert resolve_sampling_params(cfg, marker) == {"a": marker, "b": marker}
