@@ -27,8 +27,9 @@ from .errors import (
     StageStartError,
 )
 from .observer import EngineObserver
-from .orchestrator import Orchestrator, plan_request, resolve_sampling_params
+from .orchestrator import Orchestrator
 from .outputs import EngineStatistics, OmniOutput, StageInput
+from .planning import plan_request, resolve_sampling_params, stage_ref
 from .stages.pool import StagePool
 from .streams import RequestStream
 
@@ -231,19 +232,11 @@ class Engine:
         replicas that did not answer within ``timeout``; :class:`StageRPCError` if one raised.
         """
         self._check_open()
-        if stage_ids is None:
-            chosen = list(self.pools)
-        else:
-            chosen = []
-            for ref in stage_ids:
-                if isinstance(ref, int) and 0 <= ref < len(self.config.stages):
-                    chosen.append(self.config.stages[ref].id)
-                elif isinstance(ref, str) and ref in self.pools:
-                    chosen.append(ref)
-                else:
-                    raise InvalidRequestError(
-                        f"collective_rpc: {ref!r} is not a stage; stages are {list(self.pools)}"
-                    )
+        chosen = (
+            list(self.pools)
+            if stage_ids is None
+            else [stage_ref(self.config, ref, "collective_rpc: stage") for ref in stage_ids]
+        )
         targets = [(sid, r) for sid in chosen for r in self.pools[sid].replicas]
         results: list[Any] = [None] * len(targets)
         answered = [False] * len(targets)

@@ -381,6 +381,13 @@ class Orchestrator:
         for state in states:
             await state.done.wait()
 
+    async def wait_any_done(self) -> None:
+        """Wait until one of the requests now in flight has ended. Checkpoints."""
+        for state in list(self._requests.values()):
+            await state.done.wait()
+            return
+        await trio.lowlevel.checkpoint()
+
     @property
     def requests_in_flight(self) -> int:
         return len(self._requests)

@@ -6,7 +6,7 @@ produced since the previous output of the same stage for the same request.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,7 +129,3 @@ class EngineStatistics:
             if s.stage_id == stage_id:
                 return s
         raise KeyError(stage_id)
-
-
-def stage_stats_by_id(stats: Sequence[StageStatistics]) -> dict[str, StageStatistics]:
-    return {s.stage_id: s for s in stats}

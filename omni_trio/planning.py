@@ -12,7 +12,7 @@ from typing import Any
 from .config import PipelineConfig, topological_order
 from .errors import InvalidRequestError
 
-__all__ = ["RequestPlan", "plan_request", "resolve_sampling_params"]
+__all__ = ["RequestPlan", "plan_request", "resolve_sampling_params", "stage_ref"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +23,8 @@ class RequestPlan:
     outputs: tuple[str, ...]
 
 
-def _stage_ref(cfg: PipelineConfig, ref: str | int, what: str) -> str:
+def stage_ref(cfg: PipelineConfig, ref: str | int, what: str) -> str:
+    """The stage id for a stage id or index (pure). Raises InvalidRequestError naming ``ref``."""
     if isinstance(ref, int) and not isinstance(ref, bool):
         if 0 <= ref < len(cfg.stages):
             return cfg.stages[ref].id
@@ -50,7 +51,7 @@ def plan_request(
     allowed = set(cfg.stage_ids)
     final: str | None = None
     if final_stage_id is not None:
-        final = _stage_ref(cfg, final_stage_id, "final_stage_id")
+        final = stage_ref(cfg, final_stage_id, "final_stage_id")
         allowed = cfg.ancestors(final) | {final}
     if output_stages is None:
         outs = [s for s in cfg.final_output_stages if s in allowed]
@@ -61,7 +62,7 @@ def plan_request(
             output_stages = [output_stages]
         outs = []
         for ref in output_stages:
-            sid = _stage_ref(cfg, ref, "output stage")
+            sid = stage_ref(cfg, ref, "output stage")
             if sid not in allowed:
                 raise InvalidRequestError(
                     f"output stage {sid!r} does not run when final_stage_id is {final!r}: "

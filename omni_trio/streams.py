@@ -87,7 +87,10 @@ class RequestStream:
         try:
             return await receive.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
-            pass
+            return await self._after_last_output()
+
+    async def _after_last_output(self) -> OmniOutput:
+        # the channel is done: then come the abort terminals, then the error or the end
         state = self._state
         assert state is not None
         await state.done.wait()

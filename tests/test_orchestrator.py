@@ -159,7 +159,8 @@ async def test_plain_async_for_break_aborts(autojump_clock):
     async with omni_trio.open_engine(cfg) as engine:
         async for _ in engine.generate("x", request_id="r"):
             break
-        await trio.sleep(0.1)  # the generator finalizer runs in trio's system nursery
+        # the generator finalizer runs in trio's system nursery, then the abort completes
+        await trio.testing.wait_all_tasks_blocked()
         assert_nothing_in_flight(engine)
         assert scripted_backends(engine, "s0")[0].aborted == ["r"]
         # and a full plain iteration works

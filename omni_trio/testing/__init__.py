@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import trio
+
 from ..config import PipelineConfig, load_config
 from ..stages.scripted import ScriptedBackend, scripted_tokens
 
@@ -24,6 +26,7 @@ __all__ = [
     "scripted_backends",
     "scripted_pipeline",
     "scripted_tokens",
+    "wait_until_idle",
 ]
 
 
@@ -94,5 +97,10 @@ def assert_nothing_in_flight(engine: Any) -> None:
         raise AssertionError("requests left in flight: " + "; ".join(problems))
 
 
-def load(config: PipelineConfig | Mapping[str, Any]) -> PipelineConfig:
-    return load_config(config)
+async def wait_until_idle(engine: Any) -> None:
+    """Wait until no request is in flight anywhere (event-driven: it waits on each remaining
+    request's completion, no polling). Checkpoints; bound it with ``trio.fail_after``."""
+    orch = engine.orchestrator
+    while orch.requests_in_flight:
+        await orch.wait_any_done()
+    await trio.lowlevel.checkpoint()

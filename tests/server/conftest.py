@@ -14,6 +14,7 @@ import httpx
 import trio
 
 import omni_trio
+from omni_trio import testing
 from omni_trio.server import serve_http
 
 
@@ -37,10 +38,5 @@ async def wait_until_idle(engine: Any, timeout: float = 10.0) -> None:  # noqa: 
     """Wait (bounded) until nothing is in flight: an abort travels through the server's
     task, the orchestrator and every stage before the counters drop."""
 
-    def busy() -> bool:
-        stats = engine.statistics()
-        return bool(stats.requests_in_flight or stats.stage_requests_in_flight)
-
     with trio.fail_after(timeout):
-        while busy():  # noqa: ASYNC110 (a bounded poll of counters, in a test)
-            await trio.sleep(0.01)
+        await testing.wait_until_idle(engine)

@@ -105,7 +105,7 @@ async def test_crash_kills_every_bound_request(autojump_clock):
         nursery.start_soon(runner, "r2")
         await trio.sleep(1.5)
         nursery.start_soon(runner, "r3")
-        await trio.sleep(0.1)
+        await trio.testing.wait_all_tasks_blocked()
         assert sorted(failures) == ["r1", "r2", "r3"]
         assert not b.alive
         with pytest.raises(ReplicaDeadError, match="is dead"):
