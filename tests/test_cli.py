@@ -339,6 +339,16 @@ def test_serve_tiny_omni_chat_and_speech_then_sigterm_leaves_no_engine_process()
         assert isinstance(resp.choices[0].message.content, str)
         assert resp.usage is not None and 1 <= resp.usage.completion_tokens <= 8
         assert resp.usage.prompt_tokens > 0  # from vLLM's prompt token ids
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny-omni",
+                messages=[{"role": "user", "content": "Hi!"}],
+                max_tokens=8,
+                stream=True,
+            )
+        )
+        assert all(isinstance(c.choices[0].delta.content or "", str) for c in chunks if c.choices)
+        assert any(c.choices and c.choices[0].finish_reason for c in chunks)
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/audio/speech",
             json={"model": "tiny-omni", "input": "Say something.", "max_tokens": 4},
