@@ -16,6 +16,7 @@ from .errors import (
     StageError,
     StageRPCError,
     StageStartError,
+    StageStopError,
 )
 from .outputs import (
     EngineStatistics,
@@ -55,6 +56,7 @@ __all__ = [
     "StageRPCError",
     "StageStartError",
     "StageStatistics",
+    "StageStopError",
     "load_config",
     "open_engine",
 ]

@@ -12,6 +12,7 @@ OmniTrioError
  +-- EngineClosedError                        the engine session has ended
  +-- EngineOverloadedError                    admission limit reached
  +-- StageStartError                          a stage failed or timed out while starting
+ +-- StageStopError                           a replica's stop failed or overran
  +-- StageError                               a stage failed one request
  |    +-- ReplicaDeadError                    the replica serving the request died
  |    |    +-- NoLiveReplicaError             the stage has no live replica left
@@ -39,6 +40,7 @@ __all__ = [
     "StageError",
     "StageRPCError",
     "StageStartError",
+    "StageStopError",
 ]
 
 
@@ -89,6 +91,20 @@ class StageStartError(OmniTrioError):
         super().__init__(f"stage {stage_id!r} failed to start: {reason}")
 
 
+class StageStopError(OmniTrioError):
+    """One or more stage replicas failed to stop cleanly: their stop raised, or did not
+    finish within its ``shutdown_timeout`` (everything else was still stopped).
+
+    ``failures`` holds ``(replica name, cause)`` pairs, e.g. ``("talker[1]", TooSlowError)``;
+    raised ``from`` the single cause, or from an ``ExceptionGroup`` of every cause.
+    """
+
+    def __init__(self, failures: Sequence[tuple[str, BaseException]]) -> None:
+        self.failures: tuple[tuple[str, BaseException], ...] = tuple(failures)
+        listed = "; ".join(f"{name}: {type(exc).__name__}: {exc}" for name, exc in self.failures)
+        super().__init__(f"{len(self.failures)} replica(s) did not stop cleanly: {listed}")
+
+
 class StageError(OmniTrioError):
     """A stage failed one request. Only that request is affected."""
 
@@ -123,7 +139,22 @@ class NoLiveReplicaError(ReplicaDeadError):
 
 
 class StageRPCError(StageError):
-    """A ``collective_rpc`` call raised inside a stage replica."""
+    """A ``collective_rpc`` call raised inside a stage replica.
+
+    Raised by a pool ``from`` an ``ExceptionGroup`` of every replica's cause when several
+    replicas failed; ``failures`` then holds ``(replica name, cause)`` pairs.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage_id: str | None = None,
+        request_id: str | None = None,
+        failures: Sequence[tuple[str, BaseException]] = (),
+    ) -> None:
+        self.failures: tuple[tuple[str, BaseException], ...] = tuple(failures)
+        super().__init__(message, stage_id=stage_id, request_id=request_id)
 
 
 class CollectiveRPCTimeoutError(OmniTrioError, TimeoutError):

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "EngineStatistics",
     "OmniOutput",
+    "ReplicaState",
     "ReplicaStatistics",
     "StageInput",
     "StageOutput",
@@ -20,6 +21,9 @@ __all__ = [
 ]
 
 FINISH_ABORT = "abort"
+
+#: a replica's life: starting -> ready -> dead (failed after or during start) | stopped
+ReplicaState = Literal["starting", "ready", "dead", "stopped"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +97,7 @@ class ReplicaStatistics:
     requests_finished: int
     requests_aborted: int
     requests_failed: int
+    state: ReplicaState = "ready"
 
 
 @dataclass(frozen=True, slots=True)

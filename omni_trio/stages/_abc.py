@@ -7,23 +7,25 @@ runs until cancelled (which is how it is shut down) or until the replica dies.
 Requests run as ``await backend.run_request(request_id, inputs, sampling_params, emit)``:
 ``inputs`` is a receive channel of :class:`~omni_trio.outputs.StageInput` chunks (one chunk
 unless the stage has ``stream_input``), and the backend calls ``await emit(output)`` for each
-:class:`~omni_trio.outputs.StageOutput` delta, the last one with ``finished=True``.
-``emit`` may block: that is backpressure, and the backend must let it. Cancelling the task
-that runs ``run_request`` aborts the request in the backend before ``run_request`` returns.
+:class:`~omni_trio.outputs.StageOutput` delta, the last one with ``finished=True`` and none
+after it. ``emit`` may block: that is backpressure, and the backend must let it. Cancelling
+the task that runs ``run_request`` aborts the request in the backend before it returns.
 
-Subclasses implement ``_start``, ``_run`` and optionally ``_stop``, ``_rpc``; this base class
-gives every backend the same bookkeeping: per-request cancel scopes (for ``abort``), partial
-outputs, replica death (``_die``) failing exactly the requests bound to this replica, and
-``statistics()``.
+Subclasses implement ``_start``, ``_run`` and optionally ``_serve_forever``, ``_stop``,
+``_rpc``; this base class gives every backend the same bookkeeping: the replica's
+:attr:`~StageBackend.state` (starting -> ready -> dead | stopped), per-request cancel scopes
+(for ``abort``), partial outputs, replica death (``_die``) failing exactly the requests and
+RPCs bound to this replica, a stop bounded by ``shutdown_timeout``, and ``statistics()``.
 """
 
 from __future__ import annotations
 
 import abc
+import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import trio
 
@@ -33,13 +35,29 @@ from ..errors import (
     OmniTrioError,
     ReplicaDeadError,
     StageError,
+    StageRPCError,
+    StageStopError,
 )
-from ..outputs import ReplicaStatistics, StageInput, StageOutput
+from ..outputs import ReplicaState, ReplicaStatistics, StageInput, StageOutput
 
 if TYPE_CHECKING:
     from ..config import StageConfig
 
-__all__ = ["Emit", "InputStream", "StageAborted", "StageBackend", "collect_input"]
+__all__ = [
+    "DEFAULT_SHUTDOWN_TIMEOUT",
+    "Emit",
+    "InputStream",
+    "StageAborted",
+    "StageBackend",
+    "collect_input",
+    "request_outcome",
+]
+
+logger = logging.getLogger(__name__)
+
+#: seconds a replica's stop may take when neither the stage nor the pipeline sets one
+#: (the default of ``PipelineConfig.shutdown_timeout``)
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
 class StageAborted(OmniTrioError):
@@ -58,7 +76,7 @@ async def collect_input(inputs: InputStream) -> StageInput:
     """
     prompt: str | None = None
     tokens: list[int] = []
-    datas: list[Any] = []
+    datas: list[Any] = []  # user payloads: open by nature
     source: str | None = None
     async for chunk in inputs:
         if chunk.prompt is not None:
@@ -69,8 +87,31 @@ async def collect_input(inputs: InputStream) -> StageInput:
         source = chunk.source or source
         if chunk.final:
             break
-    data: Any = None if not datas else datas[0] if len(datas) == 1 else datas
+    data: object = None if not datas else datas[0] if len(datas) == 1 else datas
     return StageInput(prompt=prompt, token_ids=tuple(tokens), data=data, final=True, source=source)
+
+
+RequestOutcome = Literal["violation", "dead", "error", "finished", "aborted"]
+
+
+def request_outcome(
+    *, violated: bool, failed: bool, cancelled: bool, finished: bool, dead: bool
+) -> RequestOutcome:
+    """How a request ended on a replica, once its backend call returned or raised. Pure.
+
+    ``violated``: the backend emitted after the finished output (a broken contract, always a
+    failure); ``failed``: the backend raised; ``cancelled``: the request's own scope was
+    cancelled (``abort()`` or replica death); ``finished``: its finished output was delivered;
+    ``dead``: the replica died. A cancellation that lands after the finished output was
+    delivered does not undo it: the request finished.
+    """
+    if violated:
+        return "violation"
+    if failed:
+        return "dead" if dead else "error"
+    if cancelled and not finished:
+        return "dead" if dead else "aborted"
+    return "finished"
 
 
 @dataclass(eq=False)
@@ -78,7 +119,14 @@ class _Running:
     scope: trio.CancelScope
     partial: list[StageOutput] = field(default_factory=list)
     done: trio.Event = field(default_factory=trio.Event)
-    aborted: bool = False
+    finished: bool = False
+    violation: StageError | None = None
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(trio.Cancelled)[1] is None
+    return isinstance(exc, trio.Cancelled)
 
 
 class StageBackend(abc.ABC):
@@ -92,10 +140,21 @@ class StageBackend(abc.ABC):
         self.stage_id = config.id
         self.stage_index = stage_index
         self.replica = replica
+        own_timeout: float | None = getattr(config, "shutdown_timeout", None)
+        #: bound on ``_stop``: the stage's ``shutdown_timeout``, else the pipeline's (the pool
+        #: sets it), else :data:`DEFAULT_SHUTDOWN_TIMEOUT`
+        self.shutdown_timeout: float = (
+            DEFAULT_SHUTDOWN_TIMEOUT if own_timeout is None else float(own_timeout)
+        )
         self._running: dict[str, _Running] = {}
-        self._ready = False
+        self._rpcs: set[trio.CancelScope] = set()
+        # cancelled by _die: ends _serve_forever so a dead replica is stopped at once
+        self._serve_scope = trio.CancelScope()
+        # the three facts ``state`` derives from (subclasses may read them)
+        self._ready = False  # readiness was reported
+        self._stopped = False  # stopping began (shutdown, failed start or death)
         self._death: BaseException | None = None
-        self._stopped = False
+        self._stop_failure: BaseException | None = None
         self._n_finished = 0
         self._n_aborted = 0
         self._n_failed = 0
@@ -114,12 +173,13 @@ class StageBackend(abc.ABC):
 
     async def _serve_forever(self) -> None:
         """Run while the replica is up (after ``_start``). Default: sleep until cancelled.
-        Backends with a background reader override this; returning means the replica died
-        unless ``_die`` was called with a better reason."""
+        Backends with a background reader override this; raising or returning means the
+        replica died (unless ``_die`` was called with a better reason)."""
         await trio.sleep_forever()
 
     async def _stop(self) -> None:  # noqa: B027 (optional hook)
-        """Release everything ``_start`` acquired. Runs shielded, bounded by the caller."""
+        """Release everything ``_start`` acquired. Runs shielded, bounded by
+        ``shutdown_timeout``; raising or overrunning is a stop failure."""
 
     @abc.abstractmethod
     async def _run(
@@ -127,53 +187,131 @@ class StageBackend(abc.ABC):
     ) -> None:
         """Run one request, calling ``emit`` per output. Cancellation must abort it."""
 
-    async def _rpc(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        raise StageError(
+    async def _rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        raise StageRPCError(
             f"stage {self.stage_id!r} ({self.backend_name}) has no rpc method {method!r}",
             stage_id=self.stage_id,
         )
 
-    # -- lifecycle ---------------------------------------------------------------------------
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def state(self) -> ReplicaState:
+        """``"starting"`` until ready, ``"ready"`` while serving, then ``"dead"`` (it failed:
+        at start or after) or ``"stopped"`` (shut down). Dead and stopped are final."""
+        if self._death is not None:
+            return "dead"
+        if self._stopped:
+            return "stopped"
+        return "ready" if self._ready else "starting"
+
     @property
     def alive(self) -> bool:
-        return self._ready and self._death is None and not self._stopped
+        """Whether the replica takes requests and RPCs (``state == "ready"``)."""
+        return self.state == "ready"
 
     @property
     def name(self) -> str:
+        """``stage_id[replica]``, as errors and logs name the replica."""
         return f"{self.stage_id}[{self.replica}]"
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start the replica, report readiness, run until cancelled, then stop it.
+    @property
+    def stop_failure(self) -> BaseException | None:
+        """What went wrong stopping the replica: the exception ``_stop`` raised, or a
+        ``trio.TooSlowError`` if it overran ``shutdown_timeout``; ``None`` if it stopped
+        cleanly or has not stopped."""
+        return self._stop_failure
 
-        Checkpoints. Cancellation is the shutdown signal: in-flight requests are cancelled
-        and ``_stop`` runs shielded (bounded by ``shutdown_timeout`` in the options, default
-        30 s). Raises whatever ``_start`` raised if start-up fails.
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the replica, report readiness, run until cancelled or dead, then stop it.
+
+        Checkpoints. Raises whatever ``_start`` raised if start-up fails (the replica is
+        then dead and stopped; a failed stop is in :attr:`stop_failure`). After readiness a
+        death is not raised: it is recorded (``state == "dead"``, its requests and RPCs fail
+        with :class:`ReplicaDeadError`), logged once, the replica is stopped and ``serve``
+        returns. Cancellation is the shutdown signal: in-flight requests and RPCs are
+        cancelled and ``_stop`` runs shielded, bounded by :attr:`shutdown_timeout`. Raises
+        :class:`StageStopError` (instead of returning, or of the cancellation) if that stop
+        raised or overran.
         """
         try:
             self.mark_phase("start")
             await self._start()
+            if self._death is not None:  # _die during _start: the start failed
+                raise self._unavailable_error(None) from self._death
             self.mark_phase("ready")
             self._ready = True
             task_status.started()
-            await self._serve_forever()
-            if self._death is None:
-                self._die(ReplicaDeadError(f"replica {self.name} stopped unexpectedly"))
-        finally:
-            self._stopped = True
-            for running in list(self._running.values()):
-                running.scope.cancel()
-            with trio.CancelScope(shield=True) as stop_scope:
-                stop_scope.deadline = trio.current_time() + float(
-                    self.config.options.get("shutdown_timeout", 30.0)
-                )
-                await self._stop()
+            with self._serve_scope:
+                try:
+                    await self._serve_forever()
+                except Exception as exc:
+                    self._die(exc)
+            self._die(ReplicaDeadError(f"replica {self.name} stopped serving unexpectedly"))
+        except BaseException as exc:
+            cancelled = _is_cancellation(exc)
+            if not self._ready and not cancelled and self._death is None:
+                self._death = exc  # a failed start: the caller gets exc itself
+            await self._shutdown()
+            if cancelled:
+                self._raise_stop_failure()
+            raise
+        await self._shutdown()
+        self._raise_stop_failure()
 
     def _die(self, reason: BaseException) -> None:
-        """Mark this replica dead and fail every request bound to it. Synchronous."""
-        if self._death is None:
-            self._death = reason
-        for running in list(self._running.values()):
+        """Mark this replica dead and fail every request and RPC bound to it with
+        :class:`ReplicaDeadError`; ``serve`` then stops the replica. Synchronous. The first
+        reason wins; a replica that is stopping or stopped ignores it."""
+        if self._death is not None or self._stopped:
+            return
+        # recorded before anything is cancelled: every cancelled request and RPC sees it
+        self._death = reason
+        if self._ready:
+            logger.warning(
+                "stage %r: replica %s died: %s: %s",
+                self.stage_id,
+                self.name,
+                type(reason).__name__,
+                reason,
+            )
+        self._cancel_work()
+        self._serve_scope.cancel()
+
+    def _cancel_work(self) -> None:
+        for running in self._running.values():
             running.scope.cancel()
+        for scope in self._rpcs:
+            scope.cancel()
+
+    async def _shutdown(self) -> None:
+        # Cancels what is bound to the replica, then stops it shielded and bounded; a stop
+        # that raises or overruns is recorded (the caller raises it), never lost.
+        self._stopped = True
+        self._cancel_work()
+        timeout = self.shutdown_timeout
+        with trio.move_on_after(timeout, shield=True) as scope:
+            try:
+                await self._stop()
+            except Exception as exc:
+                self._stop_failure = exc
+        if scope.cancelled_caught and self._stop_failure is None:
+            self._stop_failure = trio.TooSlowError(
+                f"stop did not finish within shutdown_timeout={timeout}s"
+            )
+        if self._stop_failure is not None:
+            logger.warning(
+                "stage %r: replica %s did not stop cleanly: %s: %s",
+                self.stage_id,
+                self.name,
+                type(self._stop_failure).__name__,
+                self._stop_failure,
+            )
+
+    def _raise_stop_failure(self) -> None:
+        cause = self._stop_failure
+        if cause is not None:
+            raise StageStopError([(self.name, cause)]) from cause
 
     # -- requests ------------------------------------------------------------------------
     async def run_request(
@@ -182,12 +320,16 @@ class StageBackend(abc.ABC):
         """Run one request on this replica, streaming its outputs through ``emit``.
 
         Checkpoints. Cancelling the caller aborts the request here before returning.
-        Raises :class:`ReplicaDeadError` if the replica is or becomes dead, a
-        :class:`StageError` for request-scoped failures.
+        Raises :class:`ReplicaDeadError` if the replica is or becomes dead,
+        :class:`StageAborted` if :meth:`abort` ended it, a :class:`StageError` for
+        request-scoped failures (or one naming the replica if the backend emitted after the
+        finished output), :class:`InvalidRequestError` for input the backend rejects.
         """
-        if not self.alive:
-            raise self._dead_error(request_id)
-        if request_id in self._running:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not self.alive or request_id in self._running:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            if not self.alive:
+                raise self._unavailable_error(request_id)
             raise StageError(
                 f"request {request_id!r} is already running on {self.name}",
                 stage_id=self.stage_id,
@@ -197,69 +339,125 @@ class StageBackend(abc.ABC):
         self._running[request_id] = running
 
         async def record(out: StageOutput) -> None:
+            if running.finished:
+                running.violation = StageError(
+                    f"replica {self.name} of stage {self.stage_id!r} broke the backend "
+                    f"contract: it emitted an output for request {request_id!r} after its "
+                    f"finished output",
+                    stage_id=self.stage_id,
+                    request_id=request_id,
+                )
+                raise running.violation
             running.partial.append(out)
             await emit(out)
+            running.finished = out.finished
 
+        error: Exception | None = None
         try:
             with running.scope:
                 await self._run(request_id, inputs, sampling_params, record)
-        except (StageError, InvalidRequestError):
-            # request-scoped and already typed: bad input stays an InvalidRequestError
-            self._n_failed += 1
-            raise
-        except trio.Cancelled:
-            self._n_aborted += 1
-            raise
         except Exception as exc:
-            self._n_failed += 1
-            if self._death is not None:
-                raise self._dead_error(request_id) from self._death
-            raise StageError(
-                f"stage {self.name} failed request {request_id!r}: {type(exc).__name__}: {exc}",
-                stage_id=self.stage_id,
-                request_id=request_id,
-            ) from exc
+            error = exc
+        except BaseException:
+            # the caller was cancelled (our own scope catches its own cancellation)
+            if running.finished:
+                self._n_finished += 1
+            else:
+                self._n_aborted += 1
+            raise
         finally:
             running.done.set()
             del self._running[request_id]
-        if running.scope.cancelled_caught:
-            if self._death is not None:
-                self._n_failed += 1
-                raise self._dead_error(request_id) from self._death
-            # cancelled through abort(): the pool tells the orchestrator
+        self._end_request(request_id, running, error)
+
+    def _end_request(self, request_id: str, running: _Running, error: Exception | None) -> None:
+        outcome = request_outcome(
+            violated=running.violation is not None,
+            failed=error is not None,
+            cancelled=running.scope.cancelled_caught,
+            finished=running.finished,
+            dead=self._death is not None,
+        )
+        if outcome == "finished":
+            self._n_finished += 1
+            return
+        if outcome == "aborted":
+            # cancelled through abort() (or by shutdown): the pool tells the orchestrator
             self._n_aborted += 1
             raise StageAborted(f"request {request_id!r} was aborted on {self.name}")
-        self._n_finished += 1
+        self._n_failed += 1
+        if outcome == "violation":
+            assert running.violation is not None
+            raise running.violation from (error if error is not running.violation else None)
+        if outcome == "dead":
+            raise self._unavailable_error(request_id) from self._death
+        assert error is not None
+        if isinstance(error, (StageError, InvalidRequestError)):
+            # request-scoped and already typed: bad input stays an InvalidRequestError
+            raise error
+        raise StageError(
+            f"stage {self.name} failed request {request_id!r}: {type(error).__name__}: {error}",
+            stage_id=self.stage_id,
+            request_id=request_id,
+        ) from error
 
     async def abort(self, request_id: str) -> list[StageOutput]:
         """Abort a request on this replica; returns its outputs so far.
 
-        Checkpoints; returns once the backend dropped the request. Unknown ids: ``[]``.
+        Always checkpoints; returns once the backend dropped the request. Unknown ids: ``[]``.
         """
         running = self._running.get(request_id)
         if running is None:
+            await trio.lowlevel.checkpoint()
             return []
-        running.aborted = True
         running.scope.cancel()
         await running.done.wait()
         return list(running.partial)
 
-    def partial_outputs(self, request_id: str) -> list[StageOutput]:
-        running = self._running.get(request_id)
-        return list(running.partial) if running else []
-
     async def collective_rpc(
-        self, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+        self,
+        method: str,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        """Call ``method`` on this replica. Checkpoints; raises :class:`StageError`."""
-        if not self.alive:
-            raise self._dead_error(None)
-        return await self._rpc(method, tuple(args), dict(kwargs or {}))
+        """Call ``method`` on this replica (``None`` args or kwargs mean none).
 
-    def _dead_error(self, request_id: str | None) -> ReplicaDeadError:
-        why = f": {self._death}" if self._death is not None else ""
+        Checkpoints; cancelling the caller cancels the call. Raises :class:`ReplicaDeadError`
+        naming the replica if it is not ready, or at once if it dies or stops while the call
+        is pending (a dead replica never answers); :class:`StageRPCError` if the call raised.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not self.alive:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            raise self._unavailable_error(None)
+        scope = trio.CancelScope()
+        self._rpcs.add(scope)
+        try:
+            with scope:
+                result = await self._rpc(method, tuple(args or ()), dict(kwargs or {}))
+        except Exception as exc:
+            if not self.alive:
+                raise self._unavailable_error(None) from exc
+            if isinstance(exc, (StageRPCError, ReplicaDeadError)):
+                raise
+            raise StageRPCError(
+                f"collective_rpc({method!r}) failed on {self.name}: {type(exc).__name__}: {exc}",
+                stage_id=self.stage_id,
+            ) from exc
+        finally:
+            self._rpcs.discard(scope)
+        if scope.cancelled_caught or not self.alive:
+            raise self._unavailable_error(None) from self._death
+        return result
+
+    def _unavailable_error(self, request_id: str | None) -> ReplicaDeadError:
+        state = self.state
+        if state == "dead":
+            why = f"is dead: {type(self._death).__name__}: {self._death}"
+        else:
+            why = f"is {state}, not ready"
         return ReplicaDeadError(
-            f"replica {self.name} is dead{why}",
+            f"replica {self.name} {why}",
             stage_id=self.stage_id,
             request_id=request_id,
             replica=self.replica,
@@ -270,7 +468,14 @@ class StageBackend(abc.ABC):
     def requests_in_flight(self) -> int:
         return len(self._running)
 
+    def init_phases(self) -> dict[str, float]:
+        """Seconds from this replica's ``start`` to each recorded start-up phase
+        (``{}`` before it started)."""
+        t0 = self.timeline.get("start")
+        return {} if t0 is None else {k: v - t0 for k, v in self.timeline.items()}
+
     def statistics(self) -> ReplicaStatistics:
+        """A frozen snapshot of this replica. Never blocks."""
         return ReplicaStatistics(
             replica=self.replica,
             alive=self.alive,
@@ -278,20 +483,12 @@ class StageBackend(abc.ABC):
             requests_finished=self._n_finished,
             requests_aborted=self._n_aborted,
             requests_failed=self._n_failed,
+            state=self.state,
         )
 
     def __repr__(self) -> str:
-        state = (
-            "dead"
-            if self._death
-            else "alive"
-            if self.alive
-            else "stopped"
-            if self._stopped
-            else "starting"
-        )
         return (
-            f"<{type(self).__name__} {self.name} {state} in_flight={len(self._running)} "
+            f"<{type(self).__name__} {self.name} {self.state} in_flight={len(self._running)} "
             f"finished={self._n_finished} aborted={self._n_aborted} failed={self._n_failed}>"
         )
 
