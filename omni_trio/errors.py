@@ -25,6 +25,7 @@ OmniTrioError
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "BackendUnavailableError",
@@ -106,13 +107,23 @@ class StageStopError(OmniTrioError):
 
 
 class StageError(OmniTrioError):
-    """A stage failed one request. Only that request is affected."""
+    """A stage failed one request. Only that request is affected.
+
+    ``partial_outputs`` holds the request's outputs so far when raised from
+    ``Engine.abort()`` (a stage failed the request while it was being aborted).
+    """
 
     def __init__(
-        self, message: str, *, stage_id: str | None = None, request_id: str | None = None
+        self,
+        message: str,
+        *,
+        stage_id: str | None = None,
+        request_id: str | None = None,
+        partial_outputs: Sequence[Any] = (),
     ) -> None:
         self.stage_id = stage_id
         self.request_id = request_id
+        self.partial_outputs: list[Any] = list(partial_outputs)
         super().__init__(message)
 
 
