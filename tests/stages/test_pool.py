@@ -2,10 +2,18 @@ import pytest
 import trio
 import trio.lowlevel
 
-from omni_trio import ConfigError, StageStartError, load_config
+from omni_trio import (
+    CollectiveRPCTimeoutError,
+    ConfigError,
+    ReplicaDeadError,
+    StageRPCError,
+    StageStartError,
+    StageStopError,
+    load_config,
+)
 from omni_trio.outputs import ReplicaStatistics, StageInput
 from omni_trio.stages._abc import StageAborted
-from omni_trio.stages.pool import StagePool, choose_replica, create_backend
+from omni_trio.stages.pool import StagePool, choose_replica, create_backend, describe_failures
 from omni_trio.stages.scripted import ScriptedBackend
 
 
@@ -86,6 +94,198 @@ async def test_pool_start_failure_stops_started_replicas(autojump_clock):
     c = cfg(replicas=2, options={"fail_start": True})
     pool = StagePool(c.stages[0], stage_index=0)
     async with trio.open_nursery() as nursery:
-        with pytest.raises(StageStartError, match=r"'a' failed to start: replica \d: .*fail_start"):
+        with pytest.raises(StageStartError, match=r"'a' failed to start: a\[\d\]: .*fail_start"):
             await nursery.start(pool.serve)
-    assert all(r._stopped for r in pool.replicas)
+    assert all(r.state in ("dead", "stopped") for r in pool.replicas)
+    assert any(r.state == "dead" for r in pool.replicas)
+
+
+def test_describe_failures_pure():
+    assert describe_failures([("a[0]", ValueError("x")), ("a[2]", OSError("y"))]) == (
+        "a[0]: ValueError: x; a[2]: OSError: y"
+    )
+
+
+def with_replicas(cls, n, *, shutdown_timeout=30.0, **options):
+    """A pool of ``n`` replicas of a test backend class (built like create_backend would)."""
+    pool = StagePool(
+        cfg(replicas=n, options=options).stages[0], stage_index=0, shutdown_timeout=shutdown_timeout
+    )
+    pool.replicas[:] = [cls(pool.config, stage_index=0, replica=r) for r in range(n)]
+    for r in pool.replicas:
+        r.shutdown_timeout = shutdown_timeout
+    return pool
+
+
+class FailsStartOnOdd(ScriptedBackend):
+    async def _start(self):
+        if self.replica % 2:
+            raise OSError(f"no device for {self.name}")
+        await super()._start()
+
+
+class FailsStop(ScriptedBackend):
+    async def _stop(self):
+        raise OSError(f"cannot release {self.name}")
+
+
+class SlowRpcOnReplica1(ScriptedBackend):
+    async def _rpc(self, method, args, kwargs):
+        if self.replica == 1:
+            await trio.sleep_forever()
+        return self.replica
+
+
+def one_input():
+    send, receive = trio.open_memory_channel(1)
+    send.send_nowait(StageInput(token_ids=(1,)))
+    return receive
+
+
+async def ignore(out):
+    pass
+
+
+async def test_start_failure_cancels_sibling_starts_at_once(autojump_clock):
+    pool = with_replicas(FailsStartOnOdd, 3, start_delay_s=1000.0)
+    t0 = trio.current_time()
+    with pytest.raises(StageStartError, match=r"'a' failed to start: a\[1\]: OSError") as info:
+        await pool.serve()
+    assert trio.current_time() == t0  # not when the slow siblings would have been ready
+    assert isinstance(info.value.__cause__, OSError)
+    assert [r.state for r in pool.replicas] == ["stopped", "dead", "stopped"]
+
+
+async def test_several_start_failures_keep_every_cause(autojump_clock):
+    pool = with_replicas(FailsStartOnOdd, 4)
+    with pytest.raises(StageStartError, match=r"a\[1\]: OSError.*a\[3\]: OSError") as info:
+        await pool.serve()
+    group = info.value.__cause__
+    assert isinstance(group, ExceptionGroup)
+    assert sorted(str(e) for e in group.exceptions) == ["no device for a[1]", "no device for a[3]"]
+
+
+async def test_replica_death_fails_only_its_requests(autojump_clock):
+    c = cfg(replicas=2, options={"crash_at_request": 1, "crash_replica": 0, "latency_s": 1.0})
+    pool = StagePool(c.stages[0], stage_index=0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.serve)
+        with pytest.raises(ReplicaDeadError, match=r"a\[0\] is dead") as info:
+            await pool.run_request("r0", one_input(), None, ignore)
+        assert info.value.replica == 0
+        assert [r.state for r in pool.replicas] == ["dead", "ready"]
+        await pool.run_request("r1", one_input(), None, ignore)  # served by the live replica
+        assert pool.replica_of("r1") is None and pool.requests_in_flight == 0
+        stats = pool.statistics()
+        assert stats.live_replicas == 1
+        assert [(r.requests_failed, r.requests_finished) for r in stats.replicas] == [
+            (1, 0),
+            (0, 1),
+        ]
+        assert [r.state for r in stats.replicas] == ["dead", "ready"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_pool_lives_until_shutdown_when_every_replica_died(autojump_clock):
+    pool = StagePool(cfg(options={"crash_at_request": 1}).stages[0], stage_index=0)
+    with trio.move_on_after(50) as scope:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pool.serve)
+            with pytest.raises(ReplicaDeadError):
+                await pool.run_request("r", one_input(), None, ignore)
+            with pytest.raises(ReplicaDeadError, match="no live replica"):
+                await pool.run_request("r2", one_input(), None, ignore)
+    assert scope.cancelled_caught  # serve() did not return when its last replica died
+
+
+async def test_collective_rpc_results_in_replica_order(autojump_clock):
+    pool = StagePool(cfg(replicas=3).stages[0], stage_index=0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.serve)
+        results = await pool.collective_rpc("echo", None, None)
+        assert [r["replica"] for r in results] == [0, 1, 2]
+        assert all(r["args"] == [] for r in results)
+        nursery.cancel_scope.cancel()
+
+
+async def test_collective_rpc_errors_keep_every_cause(autojump_clock):
+    pool = StagePool(cfg(replicas=3).stages[0], stage_index=0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.serve)
+        with pytest.raises(StageRPCError, match=r"'fail'.*a\[0\].*a\[1\].*a\[2\]") as info:
+            await pool.collective_rpc("fail")
+        nursery.cancel_scope.cancel()
+    assert [name for name, _ in info.value.failures] == ["a[0]", "a[1]", "a[2]"]
+    group = info.value.__cause__
+    assert isinstance(group, ExceptionGroup) and len(group.exceptions) == 3
+    assert all(isinstance(e, StageRPCError) for e in group.exceptions)
+
+
+async def test_collective_rpc_on_a_dead_replica_fails_naming_it(autojump_clock):
+    c = cfg(replicas=2, options={"crash_at_request": 1, "crash_replica": 0})
+    pool = StagePool(c.stages[0], stage_index=0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.serve)
+        with pytest.raises(ReplicaDeadError):
+            await pool.run_request("r", one_input(), None, ignore)
+        with pytest.raises(StageRPCError, match=r"a\[0\]: ReplicaDeadError") as info:
+            await pool.collective_rpc("echo")
+        assert isinstance(info.value.__cause__, ReplicaDeadError)
+        nursery.cancel_scope.cancel()
+
+
+async def test_collective_rpc_timeout_names_silent_replicas(autojump_clock):
+    pool = with_replicas(SlowRpcOnReplica1, 3)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.serve)
+        t0 = trio.current_time()
+        with pytest.raises(CollectiveRPCTimeoutError, match=r"within 2.0s.*from: a\[1\]$") as info:
+            await pool.collective_rpc("x", timeout=2.0)
+        assert trio.current_time() - t0 == 2.0
+        assert info.value.pending == ("a[1]",)
+        nursery.cancel_scope.cancel()
+
+
+async def test_stop_bounded_by_shutdown_timeout(autojump_clock):
+    pool = StagePool(
+        cfg(replicas=2, options={"stop_delay_s": 1000.0}).stages[0],
+        stage_index=0,
+        shutdown_timeout=5.0,
+    )
+    t0 = trio.current_time()
+    with pytest.raises(StageStopError, match=r"a\[0\]: TooSlowError.*a\[1\]: TooSlowError") as info:
+        with trio.move_on_after(1):
+            await pool.serve()
+    assert trio.current_time() - t0 == 1.0 + 5.0  # both stopped in parallel, each bounded
+    assert [name for name, _ in info.value.failures] == ["a[0]", "a[1]"]
+    group = info.value.__cause__
+    assert isinstance(group, ExceptionGroup)
+    assert all(isinstance(e, trio.TooSlowError) for e in group.exceptions)
+
+
+async def test_failing_stop_raises_stage_stop_error_after_stopping_all(autojump_clock):
+    pool = with_replicas(FailsStop, 1)
+    with pytest.raises(StageStopError, match=r"a\[0\]: OSError: cannot release a\[0\]") as info:
+        with trio.move_on_after(1):
+            await pool.serve()
+    assert isinstance(info.value.__cause__, OSError)
+    assert pool.replicas[0].state == "stopped"
+
+
+async def test_clean_shutdown_is_plain_cancellation(autojump_clock):
+    pool = StagePool(cfg(replicas=2).stages[0], stage_index=0)
+    with trio.move_on_after(1) as scope:
+        await pool.serve()
+    assert scope.cancelled_caught
+    assert [r.state for r in pool.replicas] == ["stopped", "stopped"]
+
+
+async def test_init_phases_per_replica(autojump_clock):
+    pool = StagePool(cfg(replicas=2).stages[0], stage_index=0)
+    assert pool.init_phases() == [{}, {}]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.serve)
+        phases = pool.init_phases()
+        nursery.cancel_scope.cancel()
+    assert len(phases) == 2
+    assert all(p["start"] == 0.0 and p["ready"] >= 0.0 for p in phases)
