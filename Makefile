@@ -48,5 +48,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check omni_trio tests benchmarks
 	$(BIN)/mypy omni_trio
 
+# Regenerate docs/config.md from the config schema (tests/test_docs.py checks it is current).
+.PHONY: docs
+docs: $(STAMP)
+	$(BIN)/python docs/gen_config_md.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo-output

@@ -1,0 +1,168 @@
+"""The docs say what the code does: docs/config.md is the schema's current rendering, the
+README's example is examples/readme_example.py, the README's CLI flags and cache variable
+exist, and the LICENSE matches the package metadata."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from omni_trio.cli import build_parser
+from omni_trio.models.tiny import default_cache_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _generator() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "gen_config_md", ROOT / "docs" / "gen_config_md.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = _generator()
+
+
+# -- docs/config.md ------------------------------------------------------------------------
+
+
+def test_config_md_is_current() -> None:
+    expected = gen.render(gen.load_schema())
+    actual = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
+    assert actual == expected, "docs/config.md is out of date: run `make docs`"
+
+
+def test_config_md_has_every_key_of_every_object() -> None:
+    schema = gen.load_schema()
+    text = gen.render(schema)
+    sections = dict(
+        (m.group(1), m.group(2))
+        for m in re.finditer(r"^## (\S+)\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    )
+    defs = schema["$defs"]
+    assert set(sections) == set(defs)
+    for name, definition in defs.items():
+        for key in definition.get("properties", {}):
+            assert f"| `{key}` |" in sections[name], f"{name}.{key} is missing from config.md"
+
+
+def test_render_follows_the_schema() -> None:
+    schema = copy.deepcopy(gen.load_schema())
+    root = schema["$ref"].rsplit("/", 1)[-1]
+    props: dict[str, Any] = schema["$defs"][root]["properties"]
+    props["retries"] = {
+        "type": "integer",
+        "minimum": 1,
+        "default": 3,
+        "description": "how often a ``request`` is retried | at most",
+    }
+    props["mode"] = {"anyOf": [{"enum": ["fast", "safe"]}, {"type": "null"}]}
+    schema["$defs"]["Extra"] = {"type": "object", "properties": {"x": {"type": "string"}}}
+    text = gen.render(schema)
+    assert text != gen.render(gen.load_schema())
+    assert (
+        "| `retries` | integer (>= 1) | `3` | how often a `request` is retried \\| at most |"
+        in (text)
+    )
+    assert '| `mode` | `"fast"` \\| `"safe"` \\| null |  |  |' in text
+    assert "| `stages` | list[[StageConfig](#stageconfig)] | **required** |" in text
+    # an object nothing references still gets its section, after the referenced ones
+    assert text.index("## Extra") > text.index("## StageConfig")
+
+
+def test_generator_check_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "config.md"
+    out.write_text("stale\n")
+    assert gen.main(["--check", "--output", str(out)]) == 1
+    assert gen.main(["--output", str(out)]) == 0
+    assert gen.main(["--check", "--output", str(out)]) == 0
+    assert out.read_text() == gen.render(gen.load_schema())
+    assert "out of date" in capsys.readouterr().err
+
+
+# -- README --------------------------------------------------------------------------------
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+
+
+def test_readme_example_is_the_example_script() -> None:
+    script = (ROOT / "examples" / "readme_example.py").read_text(encoding="utf-8")
+    blocks = [b for b in _python_blocks(README) if b.startswith("# examples/readme_example.py")]
+    assert len(blocks) == 1, "README needs one python block starting '# examples/readme_example.py'"
+    assert blocks[0] == script
+
+
+def _options(command: str) -> set[str]:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    subparser: argparse.ArgumentParser = sub.choices[command]
+    return set(subparser._option_string_actions) | set(parser._option_string_actions)
+
+
+def test_readme_cli_flags_exist() -> None:
+    used = re.findall(r"omni-trio (demo|run|serve|validate|bench)\b([^\n`]*)", README)
+    assert {cmd for cmd, _ in used} >= {"run", "serve"}
+    for cmd, rest in used:
+        for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", rest):
+            assert flag in _options(cmd), f"README: `omni-trio {cmd}` has no {flag}"
+
+
+def test_readme_names_the_model_cache_variable(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert "OMNI_TRIO_CACHE" in README and "~/.cache/omni-trio" in README
+    monkeypatch.setenv("OMNI_TRIO_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path
+    monkeypatch.delenv("OMNI_TRIO_CACHE")
+    assert default_cache_dir() == Path.home() / ".cache" / "omni-trio"
+
+
+def test_readme_links_resolve() -> None:
+    for target in re.findall(r"\]\((?!https?:|#)([^)#]+)", README):
+        assert (ROOT / target).exists(), f"README links to missing {target}"
+
+
+# -- license and ignores -------------------------------------------------------------------
+
+
+def test_license_matches_metadata() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert not any(c.startswith("License ::") for c in project.get("classifiers", ()))
+
+
+@pytest.mark.skipif(
+    shutil.which("git") is None or not (ROOT / ".git").exists(), reason="not a git checkout"
+)
+@pytest.mark.parametrize(
+    "path",
+    [
+        "demo-output/prompt-1.wav",
+        "omni-output/prompt-1.wav",
+        "omni-trio.log",
+        "benchmarks/results/orchestrator.json",
+    ],
+)
+def test_run_outputs_are_ignored(path: str) -> None:
+    proc = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
+    assert proc.returncode == 0, f"{path} is not git-ignored"
