@@ -33,7 +33,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Final, Literal, Self, TypeVar
+from typing import Any, Final, Generic, Literal, Self, TypeVar, final
 
 import anyio
 import anyio.abc
@@ -79,7 +79,7 @@ class _Side:
     def __init__(self, role: str) -> None:
         self.role = role
         # Weak: the core must not keep its ends alive (the loop watcher holds weak refs too).
-        self.end_ref: weakref.ref[_EndBase] | None = None
+        self.end_ref: weakref.ref[_EndBase[Any]] | None = None
         self.state: _State = _OPEN
         self.token: trio.lowlevel.TrioToken | None = None
         self.lot = trio.lowlevel.ParkingLot()  # only touched on the loop of ``token``
@@ -87,7 +87,7 @@ class _Side:
         self.wake_pending = False
 
 
-class _Core:
+class _Core(Generic[T]):
     """State shared by both ends; see the module docstring for the locking rules."""
 
     def __init__(self, max_buffer: int, name: str) -> None:
@@ -95,7 +95,7 @@ class _Core:
         self.name = name
         self.max_buffer = max_buffer
         self.credit_batch = max(1, max_buffer // 4)
-        self.buffer: deque[Any] = deque()
+        self.buffer: deque[T] = deque()
         self.sent = 0
         self.received = 0
         self.discarded = 0
@@ -194,12 +194,13 @@ def _current_token() -> trio.lowlevel.TrioToken | None:
 
 # One system task per trio loop that uses a bridge: when the loop finishes, every end
 # still open on it is marked lost (weak refs, so ends that were dropped cost nothing).
-_LOOP_ENDS: trio.lowlevel.RunVar[weakref.WeakSet[_EndBase]] = trio.lowlevel.RunVar(
+# (ends of bridges of every item type: ``Any`` is the honest element type)
+_LOOP_ENDS: trio.lowlevel.RunVar[weakref.WeakSet[_EndBase[Any]]] = trio.lowlevel.RunVar(
     "omni_trio_bridge_ends"
 )
 
 
-async def _loop_watcher(ends: weakref.WeakSet[_EndBase]) -> None:
+async def _loop_watcher(ends: weakref.WeakSet[_EndBase[Any]]) -> None:
     try:
         await trio.sleep_forever()
     finally:
@@ -222,8 +223,8 @@ def _watch_current_loop(side: _Side) -> None:
     ends.add(end)
 
 
-class _EndBase:
-    _core: _Core
+class _EndBase(Generic[T]):
+    _core: _Core[T]
     _side: _Side
 
     def statistics(self) -> BridgeStatistics:
@@ -248,10 +249,10 @@ class _EndBase:
         return f"<{type(self).__name__} {self._core.name!r} {self._core.describe(self._side)}>"
 
 
-class BridgeSender(_EndBase, anyio.abc.ObjectSendStream[T]):
+class BridgeSender(_EndBase[T], anyio.abc.ObjectSendStream[T]):
     """The sending end of a bridge; see :func:`open_bridge`."""
 
-    def __init__(self, core: _Core) -> None:
+    def __init__(self, core: _Core[T]) -> None:
         self._core = core
         self._side = core.tx
 
@@ -318,11 +319,11 @@ class BridgeSender(_EndBase, anyio.abc.ObjectSendStream[T]):
         await trio.lowlevel.checkpoint()
 
 
-class BridgeReceiver(_EndBase, anyio.abc.ObjectReceiveStream[T]):
+class BridgeReceiver(_EndBase[T], anyio.abc.ObjectReceiveStream[T]):
     """The receiving end of a bridge; see :func:`open_bridge`. ``async for`` reads it to
     the end of the stream."""
 
-    def __init__(self, core: _Core) -> None:
+    def __init__(self, core: _Core[T]) -> None:
         self._core = core
         self._side = core.rx
 
@@ -334,10 +335,10 @@ class BridgeReceiver(_EndBase, anyio.abc.ObjectReceiveStream[T]):
         ended without closing it and every item was read, ``anyio.ClosedResourceError`` if
         this end was closed, ``RuntimeError`` if this end is bound to another trio loop.
         """
-        got, item = self._take(park=False)
-        if not got:
+        took = self._take(park=False)
+        if not took:
             raise anyio.WouldBlock
-        return item  # type: ignore[return-value]
+        return took[0]
 
     async def receive(self) -> T:
         """Take the next item, waiting for one. Always checkpoints.
@@ -346,10 +347,10 @@ class BridgeReceiver(_EndBase, anyio.abc.ObjectReceiveStream[T]):
         raises, except ``WouldBlock``.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        got, item = self._take(park=True)
-        if got:
+        took = self._take(park=True)
+        if took:
             await trio.lowlevel.cancel_shielded_checkpoint()
-            return item  # type: ignore[return-value]
+            return took[0]
         core, side = self._core, self._side
         while True:
             try:
@@ -357,11 +358,12 @@ class BridgeReceiver(_EndBase, anyio.abc.ObjectReceiveStream[T]):
             finally:
                 with core.lock:
                     side.waiting -= 1
-            got, item = self._take(park=True)
-            if got:
-                return item  # type: ignore[return-value]
+            took = self._take(park=True)
+            if took:
+                return took[0]
 
-    def _take(self, *, park: bool) -> tuple[bool, T | None]:
+    def _take(self, *, park: bool) -> tuple[T] | tuple[()]:
+        # ``(item,)``, or ``()`` when there is none: no sentinel, and ``None`` stays an item
         core, side = self._core, self._side
         core.bind(side)
         with core.lock:
@@ -376,7 +378,7 @@ class BridgeReceiver(_EndBase, anyio.abc.ObjectReceiveStream[T]):
                     )
                 if park:
                     side.waiting += 1
-                return False, None
+                return ()
             item = core.buffer.popleft()
             core.received += 1
             wake = core.max_buffer - len(core.buffer) >= core.credit_batch and core.request_wake(
@@ -384,7 +386,7 @@ class BridgeReceiver(_EndBase, anyio.abc.ObjectReceiveStream[T]):
             )
         if wake:
             core.deliver_wake(core.tx)
-        return True, item
+        return (item,)
 
     def close(self) -> None:
         """Close this end; never blocks. Unread items are dropped; a sender waiting in
@@ -398,21 +400,30 @@ class BridgeReceiver(_EndBase, anyio.abc.ObjectReceiveStream[T]):
         await trio.lowlevel.checkpoint()
 
 
-def open_bridge(
-    max_buffer: int = 64, *, name: str = "bridge"
-) -> tuple[BridgeSender[Any], BridgeReceiver[Any]]:
+# written as a class, like trio.open_memory_channel, so that ``open_bridge[int](8)`` types the
+# items; a plain ``open_bridge(8)`` gives ends of ``Any``
+@final
+class open_bridge(tuple[BridgeSender[T], BridgeReceiver[T]]):  # noqa: N801 (a function to users)
     """Create a bridge: at most ``max_buffer`` items sent and not yet received.
 
-    Does not checkpoint and needs no running loop: each end binds to the trio loop that
-    first uses it. Raises ``ValueError`` if ``max_buffer`` is not a positive int. The ends
-    are typed ``Any`` so that unannotated calls type-check; annotate them to type the items
-    (``tx: BridgeSender[int]``).
+    Returns ``(sender, receiver)``. ``open_bridge[Item](n)`` types the items. Does not
+    checkpoint and needs no running loop: each end binds to the trio loop that first uses
+    it. Raises ``ValueError`` if ``max_buffer`` is not a positive int.
     """
-    if isinstance(max_buffer, bool) or not isinstance(max_buffer, int) or max_buffer < 1:
-        raise ValueError(f"bridge {name!r}: max_buffer must be a positive int, got {max_buffer!r}")
-    core = _Core(max_buffer, name)
-    sender: BridgeSender[Any] = BridgeSender(core)
-    receiver: BridgeReceiver[Any] = BridgeReceiver(core)
-    core.tx.end_ref = weakref.ref(sender)
-    core.rx.end_ref = weakref.ref(receiver)
-    return sender, receiver
+
+    def __new__(  # type: ignore[misc]  # returns the pair, as trio.open_memory_channel does
+        cls, max_buffer: int = 64, *, name: str = "bridge"
+    ) -> tuple[BridgeSender[T], BridgeReceiver[T]]:
+        if isinstance(max_buffer, bool) or not isinstance(max_buffer, int) or max_buffer < 1:
+            raise ValueError(
+                f"bridge {name!r}: max_buffer must be a positive int, got {max_buffer!r}"
+            )
+        core: _Core[T] = _Core(max_buffer, name)
+        sender = BridgeSender(core)
+        receiver = BridgeReceiver(core)
+        core.tx.end_ref = weakref.ref(sender)
+        core.rx.end_ref = weakref.ref(receiver)
+        return sender, receiver
+
+    def __init__(self, max_buffer: int = 64, *, name: str = "bridge") -> None:
+        pass  # for the type checker's signature; __new__ did the work

@@ -424,6 +424,20 @@ async def test_end_is_bound_to_the_loop_that_first_used_it() -> None:
     assert tx.statistics().items_sent == 1
 
 
+async def test_typed_bridge_carries_none_as_an_item() -> None:
+    tx, rx = open_bridge[int | None](2, name="typed")
+    assert isinstance(tx, BridgeSender) and isinstance(rx, BridgeReceiver)
+    tx.send_nowait(None)
+    tx.send_nowait(3)
+    assert rx.receive_nowait() is None
+    assert await rx.receive() == 3
+    with pytest.raises(anyio.WouldBlock):
+        rx.receive_nowait()
+    tx.close()
+    with pytest.raises(anyio.EndOfStream):
+        await rx.receive()
+
+
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "8"])
 def test_max_buffer_must_be_positive_int(bad: Any) -> None:
     with pytest.raises(ValueError, match="max_buffer must be a positive int"):
