@@ -95,8 +95,13 @@ def reversed_words(
 ) -> StageInput | None:
     """An input processor: the upstream stages' text, word order reversed (pure: no I/O).
 
-    ``processor_options``: ``prefix`` (str, default none): a word put in front.
+    It hands text on (``prompt``), not token ids, as a processor between two models with
+    different tokenizers would. Meant for a stage with ``stream_input: false``: it is called
+    once, with every upstream output. ``processor_options``: ``prefix`` (str, default none),
+    a word put in front.
     """
     words = "".join(out.text for outs in upstream.values() for out in outs).split()
     prefix = (options or {}).get("prefix")
-    return StageInput(prompt=" ".join([*([str(prefix)] if prefix else []), *reversed(words)]))
+    return StageInput(
+        prompt=" ".join([*([str(prefix)] if prefix else []), *reversed(words)]), final=final
+    )

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import anyio
+import outcome
 import trio
 
 from ..errors import BackendUnavailableError, ConfigError, InvalidRequestError, StageStartError
@@ -31,13 +32,11 @@ from ..transport.bridge import BridgeReceiver, BridgeSender
 from ._vllm_protocol import (
     Abort,
     Died,
-    Failed,
     Ready,
     Rpc,
-    RpcResult,
-    StartFailed,
     Submit,
     check_sampling_keys,
+    engine_died,
     merge_engine_args,
     to_stage_output,
 )
@@ -181,7 +180,7 @@ class EngineWorker:
         try:
             self.v = import_vllm()
         except BaseException as exc:
-            self._evt_tx.send_nowait(StartFailed(exc))
+            self._evt_tx.send_nowait(outcome.Error(exc))
             self._evt_tx.close()
             return
         try:
@@ -189,12 +188,12 @@ class EngineWorker:
                 try:
                     await self._start_engine()
                 except Exception as exc:
-                    self._evt_tx.send_nowait(StartFailed(exc))
+                    self._evt_tx.send_nowait(outcome.Error(exc))
                     return
                 try:
                     if self._stop_start.is_set():
                         return
-                    self._evt_tx.send_nowait(Ready(tuple(self.core_pids)))
+                    self._evt_tx.send_nowait(outcome.Value(Ready(tuple(self.core_pids))))
                     await self._serve()
                 finally:
                     self._shutdown_engine()
@@ -306,16 +305,16 @@ class EngineWorker:
                     params = self._sampling_params(sub.sampling_params)
                     prompt = self._render(sub.prompt)
                 except (InvalidRequestError, v.ValidationError, ValueError, TypeError) as exc:
-                    await out.send(Failed(_as_invalid(exc)))
+                    await out.send(outcome.Error(_as_invalid(exc)))
                     return
                 live.append(await aio(engine.add_request)(sub.request_id, prompt, params))
                 await aio(self._pump)(live, out)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass  # the caller stopped listening; the abort below cleans up
         except v.EngineDeadError as exc:
-            await _send_quietly(out, Failed(exc, engine_dead=True))
+            await _send_quietly(out, engine_died(self.name, exc))
         except Exception as exc:
-            await _send_quietly(out, Failed(exc))
+            await _send_quietly(out, outcome.Error(exc))
         finally:
             self._scopes.pop(sub.request_id, None)
             if live:
@@ -384,11 +383,11 @@ class EngineWorker:
         return rendered
 
     async def _rpc(self, rpc: Rpc) -> None:
+        reply: outcome.Outcome[Any]
         try:
-            value = await self._control(rpc)
-            reply: Any = RpcResult(value)
+            reply = outcome.Value(await self._control(rpc))
         except Exception as exc:
-            reply = Failed(exc, engine_dead=isinstance(exc, self.v.EngineDeadError))
+            reply = outcome.Error(exc)
         await _send_quietly(rpc.reply, reply)
         rpc.reply.close()
 

@@ -47,22 +47,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import outcome
 import trio
 
-from ..errors import InvalidRequestError, ReplicaDeadError, StageError, StageRPCError
+from ..errors import InvalidRequestError, ReplicaDeadError, StageError
 from ..transport.bridge import BridgeReceiver, BridgeSender, open_bridge
 from ._abc import Emit, InputStream, StageBackend, collect_input
-from ._vllm_protocol import (
-    CPU_ENGINE_DEFAULTS,
-    Abort,
-    Died,
-    Failed,
-    Ready,
-    Rpc,
-    RpcResult,
-    StartFailed,
-    Submit,
-)
+from ._vllm_protocol import CPU_ENGINE_DEFAULTS, Abort, Died, Rpc, Submit
 from ._vllm_worker import EngineWorker
 
 __all__ = ["CPU_ENGINE_DEFAULTS", "VllmBackend"]
@@ -122,16 +113,14 @@ class VllmBackend(StageBackend):
         self._thread.start()
         self.mark_phase("thread_started")
         try:
-            event = await evt_rx.receive()
+            started = await evt_rx.receive()
         except anyio.EndOfStream:
-            event = StartFailed(RuntimeError("the worker ended before reporting readiness"))
+            started = outcome.Error(RuntimeError("the worker ended before reporting readiness"))
         except BaseException:
             self._worker.cancel_start()
             raise
-        if isinstance(event, StartFailed):
-            raise event.error
-        assert isinstance(event, Ready)
-        self.core_pids = event.core_pids
+        assert isinstance(started, outcome.Outcome)  # the first event: the start's outcome
+        self.core_pids = started.unwrap().core_pids
         self.mark_phase("engine_ready")
 
     async def _serve_forever(self) -> None:
@@ -184,10 +173,10 @@ class VllmBackend(StageBackend):
         finished = False
         try:
             async for item in out_rx:
-                if isinstance(item, Failed):
-                    if item.engine_dead:
-                        self._die(ReplicaDeadError(f"replica {self.name}: engine died"))
-                    raise item.error
+                if isinstance(item, outcome.Error):
+                    if isinstance(item.error, ReplicaDeadError):  # the engine died
+                        self._die(item.error)
+                    item.unwrap()
                 await emit(item)
                 finished = item.finished
         finally:
@@ -218,17 +207,15 @@ class VllmBackend(StageBackend):
             try:
                 reply = await reply_rx.receive()
             except (anyio.EndOfStream, anyio.BrokenResourceError):
-                raise self._dead_error(None) from None
+                raise ReplicaDeadError(
+                    f"replica {self.name}: its worker ended before answering {method!r}",
+                    stage_id=self.stage_id,
+                    replica=self.replica,
+                ) from None
         finally:
             reply_rx.close()
-        if isinstance(reply, Failed):
-            raise StageRPCError(
-                f"collective_rpc({method!r}) failed on {self.name}: "
-                f"{type(reply.error).__name__}: {reply.error}",
-                stage_id=self.stage_id,
-            ) from reply.error
-        assert isinstance(reply, RpcResult)
-        return reply.value
+        # raises the worker's exception here; the base class names the replica and method
+        return reply.unwrap()
 
     def __repr__(self) -> str:
         base = super().__repr__()[:-1]
