@@ -1,41 +1,63 @@
 """The engine session: ``open_engine()`` and the ``Engine`` users hold.
 
-``open_engine`` opens one nursery that owns everything: the stage pools (and through them
-every replica, worker thread and engine process) and one task per request. Leaving the
-``async with`` block stops admission, aborts every request in flight (each consumer gets a
-terminal output), stops the stages in parallel, and only then returns.
+Structure: entering ``open_engine()`` opens one nursery. Into it go, in this order, the
+stages (one task owning every :class:`~omni_trio.stages.pool.StagePool`, hence every
+replica, worker thread and engine process; all started in parallel) and then the
+:class:`~omni_trio.orchestrator.Orchestrator` (``nursery.start(orchestrator.serve)``), which
+owns one task per request. Leaving the block closes the orchestrator first (admission stops,
+every request is aborted and its consumer gets its terminal outputs) and only once every
+request ended are the stages cancelled and stopped, in parallel, each bounded by its
+``shutdown_timeout``. The stages run under a shield while requests are in flight, so a
+cancellation from outside reaches the requests first and the stages after them: "requests
+stop before stages" is structure, not call order.
+
+Exception policy. *To the consumer* of a request (its stream's ``receive``/``async for``/
+``collect``): that request's own outcome only: its outputs, one terminal per output stage
+(``finish_reason="abort"`` when it was aborted or the engine closed), or its error (a
+:class:`StageError` subclass, also when a stage failed it while it was being aborted).
+``await engine.abort(id)`` raises that error too (with ``exc.partial_outputs``). *To the
+caller of* ``open_engine``: from entering, :class:`StageStartError` (every failed stage named,
+``from ExceptionGroup`` when several failed) after everything that started was stopped; from
+leaving (or ``aclose()``), :class:`StageStopError` naming every replica whose stop failed or
+overran, raised after every stage was stopped; the body's own exception leaves the block
+unwrapped (a stop failure beside it is logged, not raised). *Only logged*: a replica's death
+after start-up (its requests fail with :class:`ReplicaDeadError`, the engine keeps serving),
+a stage error during an abort (also raised to that request's consumer), an observer that
+raises (it is detached).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager, nullcontext
 from types import TracebackType
-from typing import Any
+from typing import Any, overload
 
 import trio
 
 from .config import PipelineConfig, load_config
 from .errors import (
-    CollectiveRPCTimeoutError,
     EngineClosedError,
     InvalidRequestError,
-    StageRPCError,
+    StageError,
     StageStartError,
+    StageStopError,
 )
 from .observer import EngineObserver
 from .orchestrator import Orchestrator
 from .outputs import EngineStatistics, OmniOutput, StageInput
-from .planning import plan_request, resolve_sampling_params, stage_ref
+from .planning import RequestPlan, plan_request, resolve_sampling_params, stage_ref
+from .rpc import fan_out_rpc
 from .stages.pool import StagePool
 from .streams import RequestStream
 
 __all__ = ["Engine", "open_engine"]
 
 logger = logging.getLogger(__name__)
+
+_PLAN_CACHE_SIZE = 256
 
 
 def prompt_to_input(prompt: Any) -> StageInput:
@@ -59,34 +81,61 @@ def prompt_to_input(prompt: Any) -> StageInput:
     )
 
 
+def leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    """Every exception inside a (nested) exception group, in order. Pure."""
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+def single_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The only exception inside a (nested) group, or None if there are several. Pure."""
+    found = leaves(group)
+    return found[0] if len(found) == 1 else None
+
+
 class Engine:
     """A running pipeline. Get one from :func:`open_engine`; it is valid inside that block."""
 
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
         self.pools: dict[str, StagePool] = {
-            st.id: StagePool(st, stage_index=i) for i, st in enumerate(config.stages)
+            st.id: StagePool(st, stage_index=i, shutdown_timeout=config.shutdown_timeout)
+            for i, st in enumerate(config.stages)
         }
         self.orchestrator = Orchestrator(config, self.pools)
-        self._nursery_cm: Any = None
-        self._nursery: trio.Nursery | None = None
         self.init_timeline: dict[str, dict[str, float]] = {}
-        self._closed = False
+        self._session: Any = None  # the running _run() context manager
+        self._state = "new"  # new | starting | open | closing | closed
+        self._stages_scope: trio.CancelScope | None = None
+        self._stages_stopped = trio.Event()
+        self._stop_error: StageStopError | None = None
+        self._stop_error_raised = False
+        self._rpc_scopes: set[trio.CancelScope] = set()
+        self._plans: dict[tuple[Any, Any], RequestPlan] = {}
 
     # -- session -------------------------------------------------------------------------------
     async def __aenter__(self) -> Engine:
-        self._nursery_cm = trio.open_nursery()
-        self._nursery = await self._nursery_cm.__aenter__()
+        """Start every stage in parallel; return once all are ready. Checkpoints. Raises
+        :class:`StageStartError` (after stopping what started); cancelled, it stops what
+        started and re-raises."""
+        if self._state != "new":
+            raise RuntimeError("an Engine session can be entered only once")
+        self._state = "starting"
+        session = self._run()
         try:
-            await self._start_stages()
-        except BaseException as exc:  # incl. Cancelled: stop what started, then re-raise
-            self._closed = True
-            # nursery exit always waits for its children, cancelled or not: no shield needed
-            self._nursery.cancel_scope.cancel()
-            await self._nursery_cm.__aexit__(None, None, None)
-            self._nursery_cm = None
-            raise exc
-        self.orchestrator.attach(self._nursery)
+            await session.__aenter__()
+        except BaseExceptionGroup as group:
+            self._state = "closed"
+            leaf = single_leaf(group)
+            if leaf is not None:
+                raise leaf from None
+            raise
+        except BaseException:
+            self._state = "closed"
+            raise
+        self._session = session
         return self
 
     async def __aexit__(
@@ -95,28 +144,69 @@ class Engine:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        await self.aclose()
-        return False
+        session, self._session = self._session, None
+        if session is None:
+            return False
+        try:
+            return bool(await session.__aexit__(exc_type, exc, tb))
+        except BaseExceptionGroup as group:
+            leaf = single_leaf(group)
+            if leaf is not None:
+                raise leaf from None
+            raise
 
-    async def aclose(self) -> None:
-        """End the session: abort every request, stop every stage, in bounded time.
+    @asynccontextmanager
+    async def _run(self) -> AsyncIterator[Engine]:
+        body_error: BaseException | None = None
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self._serve_stages)
+            async with trio.open_nursery() as requests:
+                await requests.start(self.orchestrator.serve)
+                self._state = "open"
+                try:
+                    yield self
+                except BaseException as exc:
+                    # kept aside, so that it leaves open_engine unwrapped once all is stopped
+                    body_error = exc
+                finally:
+                    self._begin_close()
+            self._stop_stages()
+        if body_error is not None:
+            if self._stop_error is not None and not self._stop_error_raised:
+                logger.error("while leaving on %r: %s", body_error, self._stop_error)
+            raise body_error
+        self._raise_stop_error()
 
-        Runs shielded (it finishes even when the caller is cancelled); idempotent.
-        """
-        if self._nursery_cm is None:
-            return
-        cm, self._nursery_cm = self._nursery_cm, None
-        self._closed = True
-        with trio.CancelScope(shield=True):
-            await self.orchestrator.close()
-        assert self._nursery is not None
-        self._nursery.cancel_scope.cancel()
-        # exiting the nursery waits for every stage to stop, even if we are cancelled
-        await cm.__aexit__(None, None, None)
+    async def _serve_stages(self, *, task_status: trio.TaskStatus[None]) -> None:
+        # Own every pool. Start them in parallel; then, shielded from outside cancellation
+        # (requests must end first), run until _stop_stages cancels this scope.
+        try:
+            with trio.CancelScope() as scope:
+                self._stages_scope = scope
+                try:
+                    async with trio.open_nursery() as pools:
+                        await self._start_pools(pools)
+                        scope.shield = True
+                        task_status.started()
+                        await trio.sleep_forever()
+                except BaseExceptionGroup as group:
+                    starts, _ = group.split(StageStartError)
+                    stops, rest = group.split(StageStopError)
+                    if stops is not None:
+                        self._stop_error = merge_stop_errors(stops)
+                    if starts is not None:
+                        # a failed start: stages that started were stopped; a stop failure
+                        # beside it is logged, the start failure is what the caller gets
+                        if self._stop_error is not None:
+                            logger.error("after a failed start: %s", self._stop_error)
+                        leaf = single_leaf(starts)
+                        raise (leaf if leaf is not None else starts) from None
+                    if rest is not None:
+                        raise
+        finally:
+            self._stages_stopped.set()
 
-    async def _start_stages(self) -> None:
-        assert self._nursery is not None
-        nursery = self._nursery
+    async def _start_pools(self, pools: trio.Nursery) -> None:
         failures: list[StageStartError] = []
         started: set[str] = set()
 
@@ -125,17 +215,20 @@ class Engine:
             t0 = trio.current_time()
             with trio.move_on_after(timeout) as scope:
                 try:
-                    await nursery.start(pool.serve)
+                    await pools.start(pool.serve)
                 except StageStartError as exc:
                     failures.append(exc)
                 except Exception as exc:
-                    failures.append(StageStartError(pool.stage_id, f"{type(exc).__name__}: {exc}"))
+                    failure = StageStartError(pool.stage_id, f"{type(exc).__name__}: {exc}")
+                    failure.__cause__ = exc
+                    failures.append(failure)
                 else:
                     started.add(pool.stage_id)
+                    now = trio.current_time()
                     self.init_timeline[pool.stage_id] = {
                         "start": t0,
-                        "ready": trio.current_time(),
-                        "seconds": trio.current_time() - t0,
+                        "ready": now,
+                        "seconds": now - t0,
                     }
             if scope.cancelled_caught:
                 failures.append(
@@ -151,18 +244,78 @@ class Engine:
             async with trio.open_nursery() as starters:
                 for pool in self.pools.values():
                     starters.start_soon(start, pool)
-        if failures:
-            raise failures[0]
-        if overall_scope is not None and overall_scope.cancelled_caught:
+        if not failures and overall_scope is not None and overall_scope.cancelled_caught:
             slow = [sid for sid in self.pools if sid not in started]
-            raise StageStartError(
-                ", ".join(slow), f"the pipeline did not start within init_timeout={overall}s"
+            failures.append(
+                StageStartError(
+                    ", ".join(slow), f"the pipeline did not start within init_timeout={overall}s"
+                )
             )
+        if failures:
+            pools.cancel_scope.cancel()
+            raise merge_start_errors(failures)
+
+    def _begin_close(self) -> None:
+        if self._state in ("closing", "closed"):
+            return
+        self._state = "closing"
+        self.orchestrator.close()
+        for scope in list(self._rpc_scopes):
+            scope.cancel()
+
+    def _stop_stages(self) -> None:
+        if self._stages_scope is not None:
+            self._stages_scope.cancel()
+
+    def _raise_stop_error(self) -> None:
+        self._state = "closed"
+        if self._stop_error is not None and not self._stop_error_raised:
+            self._stop_error_raised = True
+            raise self._stop_error
+
+    async def aclose(self) -> None:
+        """End the session: abort every request (each consumer gets its terminal), then stop
+        every stage in parallel, in bounded time. Always checkpoints; not cancellable (it
+        finishes stopping everything). Idempotent. Raises :class:`StageStopError` (once)
+        naming every replica whose stop failed or overran. Leaving the ``async with`` block
+        calls it."""
+        self._begin_close()
+        with trio.CancelScope(shield=True):
+            await self.orchestrator.wait_idle()
+            self._stop_stages()
+            await self._stages_stopped.wait()
+        self._raise_stop_error()
 
     # -- requests ----------------------------------------------------------------------------
     def _check_open(self) -> None:
-        if self._closed or self.orchestrator.closed:
-            raise EngineClosedError("the engine is closed; it accepts no new work")
+        if self._state != "open":
+            raise EngineClosedError(
+                "the engine is closed; it accepts no new work"
+                if self._state in ("closing", "closed")
+                else f"the engine is not open yet ({self._state}); use `async with open_engine()`"
+            )
+
+    def _plan(
+        self, final_stage_id: str | int | None, output_stages: Sequence[str | int] | None
+    ) -> RequestPlan:
+        # a plan is computed once per distinct route, not per request
+        key_outputs = (
+            output_stages
+            if output_stages is None or isinstance(output_stages, (str, int))
+            else tuple(output_stages)
+        )
+        key = (final_stage_id, key_outputs)
+        try:
+            return self._plans[key]
+        except (KeyError, TypeError):
+            pass
+        plan = plan_request(self.config, final_stage_id, output_stages)
+        if len(self._plans) < _PLAN_CACHE_SIZE:
+            try:
+                self._plans[key] = plan
+            except TypeError:  # an unhashable stage reference: planned, not cached
+                pass
+        return plan
 
     def generate(
         self,
@@ -172,96 +325,120 @@ class Engine:
         final_stage_id: str | int | None = None,
         output_stages: Sequence[str | int] | None = None,
     ) -> RequestStream:
-        """Start a request (lazily) and return its output stream.
+        """Check a request and return its output stream; it is admitted when the stream is
+        entered or first iterated.
 
-        Synchronous. Arguments are validated here (raises :class:`InvalidRequestError`,
-        :class:`EngineClosedError`); the request is admitted when the stream is entered or
-        first iterated (which may raise :class:`EngineOverloadedError` or
-        :class:`DuplicateRequestError`). Use ``async with engine.generate(...) as stream:
-        async for out in stream``; leaving the block early, or being cancelled, aborts the
-        request in every stage before ``__aexit__`` returns.
+        Synchronous. Raises :class:`InvalidRequestError` (naming the bad argument: prompt,
+        request_id, a stage reference, an unknown stage key in ``sampling_params``) and
+        :class:`EngineClosedError` here; entering the stream may raise
+        :class:`EngineOverloadedError` or :class:`DuplicateRequestError`. Use ``async with
+        engine.generate(...) as stream: async for out in stream``; leaving the block early, or
+        being cancelled, aborts the request in every stage before ``__aexit__`` returns.
         """
         self._check_open()
         first = prompt_to_input(prompt)
-        plan = plan_request(self.config, final_stage_id, output_stages)
+        plan = self._plan(final_stage_id, output_stages)
         params = resolve_sampling_params(self.config, sampling_params)
         rid = request_id if request_id is not None else self.orchestrator.new_request_id()
         if not isinstance(rid, str) or not rid:
             raise InvalidRequestError("request_id must be a non-empty string")
-        return RequestStream(self.orchestrator, rid, first, plan, params)
+        return RequestStream(self.orchestrator.submit, rid, first, plan, params)
 
-    async def abort(self, request_id: str | Iterable[str]) -> Any:
-        """Abort one request (returns its outputs so far, a list of OmniOutput) or several
-        (returns ``{request_id: outputs}``), once every stage holding them dropped them.
+    @overload
+    async def abort(self, request_id: str) -> list[OmniOutput]: ...  # type: ignore[overload-overlap]
+    @overload
+    async def abort(self, request_id: Iterable[str]) -> dict[str, list[OmniOutput]]: ...
 
-        Checkpoints. Unknown or finished ids are a no-op (``[]``). Raises EngineClosedError.
+    async def abort(
+        self, request_id: str | Iterable[str]
+    ) -> list[OmniOutput] | dict[str, list[OmniOutput]]:
+        """Abort one request (returns its outputs so far) or several (returns
+        ``{request_id: outputs}``), once every stage holding them dropped them.
+
+        Always checkpoints. Cancelled before the abort is committed, nothing happens; once
+        committed it waits (shielded) until the stages dropped the request. Unknown or ended
+        ids give ``[]``; during and after close it is a no-op (``[]`` / ``{}``). Raises the
+        request's :class:`StageError` (with ``exc.partial_outputs``) if a stage failed it.
         """
-        self._check_open()
+        if self._state != "open":
+            await trio.lowlevel.checkpoint()
+            return [] if isinstance(request_id, str) else {}
         if isinstance(request_id, str):
             return await self.orchestrator.abort(request_id)
-        ids = list(request_id)
+        ids = list(dict.fromkeys(request_id))
         results: dict[str, list[OmniOutput]] = {}
+        errors: list[StageError] = []
 
-        async def one(rid: str) -> None:
-            results[rid] = await self.orchestrator.abort(rid)
+        async def abort_one(rid: str) -> None:
+            try:
+                results[rid] = await self.orchestrator.abort(rid)
+            except StageError as exc:
+                errors.append(exc)
 
-        async with trio.open_nursery() as nursery:
-            for rid in ids:
-                nursery.start_soon(one, rid)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        with trio.CancelScope(shield=True):
+            # every abort is committed at once, and all of them are waited for
+            async with trio.open_nursery() as nursery:
+                for rid in ids:
+                    nursery.start_soon(abort_one, rid)
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise StageError(
+                f"{len(errors)} of the aborted requests had failed: "
+                + "; ".join(f"{e.request_id}: {e}" for e in errors)
+            ) from ExceptionGroup("failed requests", errors)
         return {rid: results[rid] for rid in ids}
 
     def abort_nowait(self, request_id: str | Iterable[str]) -> None:
-        """Request an abort and return at once (fire-and-forget). Synchronous; no-op for
-        unknown ids. Raises EngineClosedError."""
-        self._check_open()
+        """Request an abort and return at once (fire-and-forget). Synchronous; a no-op for
+        unknown or ended ids, and during and after close."""
+        if self._state != "open":
+            return
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             self.orchestrator.abort_nowait(rid)
 
     async def collective_rpc(
         self,
         method: str,
-        args: Sequence[Any] = (),
+        args: Sequence[Any] | None = (),
         kwargs: Mapping[str, Any] | None = None,
         stage_ids: Sequence[str | int] | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 (DESIGN.md's API)
     ) -> list[Any]:
-        """Call ``method`` on every replica of the chosen stages (default all), concurrently.
+        """Call ``method`` on every replica of the chosen stages (default all; by id or index),
+        concurrently. Returns one result per replica, in stage order then replica order.
 
-        Returns one result per stage replica, in stage order then replica order.
-        Checkpoints. Raises :class:`CollectiveRPCTimeoutError` (a ``TimeoutError``) naming the
-        replicas that did not answer within ``timeout``; :class:`StageRPCError` if one raised.
+        Always checkpoints; cancelling the caller cancels every call. ``args=None`` and
+        ``kwargs=None`` mean none. Raises :class:`CollectiveRPCTimeoutError` naming every
+        replica that did not answer within ``timeout``; :class:`ReplicaDeadError` when the one
+        failing replica died (also while the call was pending); :class:`StageRPCError` naming
+        every failing replica ``from ExceptionGroup`` of the causes; :class:`EngineClosedError`
+        when the engine is closed, or closes while the call is pending.
         """
+        await trio.lowlevel.checkpoint_if_cancelled()
         self._check_open()
         chosen = (
             list(self.pools)
             if stage_ids is None
             else [stage_ref(self.config, ref, "collective_rpc: stage") for ref in stage_ids]
         )
-        targets = [(sid, r) for sid in chosen for r in self.pools[sid].replicas]
-        results: list[Any] = [None] * len(targets)
-        answered = [False] * len(targets)
-        errors: list[tuple[str, BaseException]] = []
-
-        async def call(i: int) -> None:
-            sid, backend = targets[i]
-            try:
-                results[i] = await backend.collective_rpc(method, args, dict(kwargs or {}))
-            except Exception as exc:
-                errors.append((backend.name, exc))
-            answered[i] = True
-
-        with trio.move_on_after(math.inf if timeout is None else timeout):
-            async with trio.open_nursery() as nursery:
-                for i in range(len(targets)):
-                    nursery.start_soon(call, i)
-        if not all(answered):
-            pending = [targets[i][1].name for i in range(len(targets)) if not answered[i]]
-            raise CollectiveRPCTimeoutError(method, float(timeout or 0.0), pending)
-        if errors:
-            name, exc = errors[0]
-            raise StageRPCError(
-                f"collective_rpc({method!r}) failed on {name}: {type(exc).__name__}: {exc}"
-            ) from exc
+        scope = trio.CancelScope()
+        self._rpc_scopes.add(scope)
+        results: list[Any] | None = None
+        try:
+            with scope:
+                results = await fan_out_rpc(
+                    [self.pools[sid] for sid in chosen], method, args, kwargs, timeout
+                )
+        finally:
+            self._rpc_scopes.discard(scope)
+        if results is None:
+            # only close cancels this scope (the caller's own cancellation propagates)
+            raise EngineClosedError(
+                f"the engine closed while collective_rpc({method!r}) was pending"
+            )
         return results
 
     # -- introspection -------------------------------------------------------------------------
@@ -271,18 +448,12 @@ class Engine:
 
     def init_phases(self) -> dict[str, list[dict[str, float]]]:
         """Per stage, per replica: seconds from ``start`` to each recorded start-up phase."""
-        out: dict[str, list[dict[str, float]]] = {}
-        for sid, pool in self.pools.items():
-            rows = []
-            for r in pool.replicas:
-                t0 = r.timeline.get("start")
-                rows.append({k: v - t0 for k, v in r.timeline.items()} if t0 is not None else {})
-            out[sid] = rows
-        return out
+        return {sid: pool.init_phases() for sid, pool in self.pools.items()}
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        """True from the moment the session starts closing."""
+        return self._state in ("closing", "closed")
 
     @property
     def stage_ids(self) -> list[str]:
@@ -297,20 +468,41 @@ class Engine:
             requests_aborted=orch.n_aborted,
             requests_failed=orch.n_failed,
             requests_total=orch.n_total,
-            closed=self._closed,
+            closed=self.closed,
             stages=tuple(p.statistics() for p in self.pools.values()),
         )
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
         stages = " ".join(
             f"{p.stage_id}:{p.live_replicas}/{len(p.replicas)}" for p in self.pools.values()
         )
         return (
-            f"<Engine {self.config.name!r} {state} "
+            f"<Engine {self.config.name!r} {self._state} "
             f"in_flight={self.orchestrator.requests_in_flight} "
             f"stages=[{stages}]>"
         )
+
+
+def merge_start_errors(failures: Sequence[StageStartError]) -> StageStartError:
+    """One StageStartError for every stage that failed to start, ``from ExceptionGroup`` of
+    them when several did. Pure."""
+    if len(failures) == 1:
+        return failures[0]
+    error = StageStartError(
+        ", ".join(f.stage_id for f in failures), "; ".join(str(f) for f in failures)
+    )
+    error.__cause__ = ExceptionGroup("stage start failures", list(failures))
+    return error
+
+
+def merge_stop_errors(group: BaseExceptionGroup[StageStopError]) -> StageStopError:
+    """One StageStopError listing every replica of every stage whose stop failed. Pure."""
+    stops = [exc for exc in leaves(group) if isinstance(exc, StageStopError)]
+    if len(stops) == 1:
+        return stops[0]
+    error = StageStopError([f for stop in stops for f in stop.failures])
+    error.__cause__ = ExceptionGroup("stage stop failures", stops)
+    return error
 
 
 def open_engine(
@@ -321,7 +513,8 @@ def open_engine(
     ``config`` is a PipelineConfig, a mapping or a YAML/TOML/JSON path; ``overrides`` replace
     top-level keys (``stage_init_timeout=60``, ``stage_overrides={"talker": {...}}``).
     Entering starts every stage in parallel (each under its ``stage_init_timeout``, all under
-    ``init_timeout``) and raises :class:`StageStartError` naming the stage that failed, after
-    stopping the others. Raises :class:`ConfigError` for a bad config (synchronously).
+    ``init_timeout``) and raises :class:`StageStartError` naming the stage(s) that failed,
+    after stopping the others. Raises :class:`ConfigError` for a bad config (synchronously).
+    See the module docstring for the whole exception policy.
     """
     return Engine(load_config(config, **overrides))

@@ -1,22 +1,30 @@
-"""The orchestrator: one task per request, routing outputs through the stage graph.
+"""The orchestrator: the one owner of every request, from admission to its last output.
 
-Each request runs as one task in the engine's nursery, under its own cancel scope (abort =
-cancel that scope). Inside it, one task per active stage runs the request on that stage's
-pool; a stage's outputs go to the caller (if it is an output stage) and to its downstream
-stages' input channels (through their input processors), as they arrive: no timer, no
-polling. Every channel is bounded, so a slow caller slows the stages down instead of
-queueing without limit. When the request task ends, nothing of the request is left here or
-in any stage: :meth:`Orchestrator.statistics` and the pools' statistics prove it.
+``Orchestrator.serve`` runs in the engine's nursery (started after the stage pools, so
+requests always stop before stages). Each admitted request runs as one task in it, under its
+own cancel scope (abort = cancel that scope), and its whole life is decided by one pure
+:class:`~omni_trio.lifecycle.RequestLifecycle`. Inside the request task each active stage has
+one task that runs the request on the stage's pool and, beside it, routes what the backend
+emits: the backend's ``emit`` only puts the output into a bounded per-stage outbox, and the
+stage's routing loop (the orchestrator's own code, never a backend's call stack) delivers it
+to the caller and to the downstream stages' input processors. Every channel is bounded; no
+timer, no polling. When the request task ends, its terminal outputs (or its error) are queued
+to the consumer through the same :class:`~omni_trio.transport.queue.OutputQueue` as every
+other output, and nothing of the request remains here or in any stage.
+
+The consumer gets a :class:`RequestHandle`: receive, cancel, cancel-and-wait, status. It never
+reads or writes the request's state.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import outcome
 import trio
 
 from .config import PipelineConfig
@@ -27,112 +35,135 @@ from .errors import (
     OmniTrioError,
     StageError,
 )
-from .observer import ObserverSet, payload_nbytes
+from .lifecycle import ContractViolation, RequestLifecycle, RequestStatus
+from .observer import ObserverSet
 from .outputs import FINISH_ABORT, OmniOutput, StageInput, StageOutput
-from .planning import RequestPlan, plan_request, resolve_sampling_params
+from .planning import RequestPlan
+from .routing import StageFeed
 from .stages._abc import StageAborted
 from .stages.pool import StagePool
 from .stages.processors import InputProcessor, load_processor
+from .transport.queue import OutputQueue
 
-__all__ = ["Orchestrator", "RequestPlan", "RequestState", "plan_request", "resolve_sampling_params"]
+__all__ = ["Orchestrator", "RequestHandle", "RequestInfo"]
 
 logger = logging.getLogger(__name__)
 
+_Item = OmniOutput | outcome.Error
+_STOPPED = StageOutput(finished=True, finish_reason="stop")
 
-@dataclass(eq=False)
-class RequestState:
-    """Everything the orchestrator holds for one request; dropped when the request ends."""
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """A snapshot of one request in flight (:meth:`Orchestrator.request_info`)."""
 
     request_id: str
-    plan: RequestPlan
-    send: trio.MemorySendChannel[OmniOutput]
-    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    done: trio.Event = field(default_factory=trio.Event)
-    produced: list[OmniOutput] = field(default_factory=list)
-    finished_stages: set[str] = field(default_factory=set)
-    tail: list[OmniOutput] = field(default_factory=list)
-    error: BaseException | None = None
-    status: str = "running"  # running | finished | aborted | failed
-    closing: bool = False
-
-    def fail(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
-        self.scope.cancel()
+    status: RequestStatus
+    stages: tuple[str, ...]
+    finished_stages: tuple[str, ...]
+    outputs_produced: int
+    outputs_queued: int
+    abort_requested: bool
 
     def __repr__(self) -> str:
         return (
-            f"<RequestState {self.request_id!r} {self.status} stages={list(self.plan.active)} "
-            f"finished={sorted(self.finished_stages)} outputs={len(self.produced)}>"
+            f"<RequestInfo {self.request_id!r} {self.status} stages={list(self.stages)} "
+            f"finished={list(self.finished_stages)} produced={self.outputs_produced} "
+            f"queued={self.outputs_queued}{' abort-requested' if self.abort_requested else ''}>"
         )
 
 
-class _Feed:
-    """Collects upstream outputs for one downstream stage of one request and sends its input."""
+class _Request:
+    """Everything the orchestrator holds for one request; dropped when its task ends."""
+
+    __slots__ = (
+        "done",
+        "error",
+        "first_input",
+        "lifecycle",
+        "params",
+        "plan",
+        "produced",
+        "queue",
+        "scope",
+    )
 
     def __init__(
         self,
-        stage_id: str,
-        upstream: Sequence[str],
-        stream: bool,
-        processor: InputProcessor,
-        options: Mapping[str, Any],
-        send: trio.MemorySendChannel[StageInput],
-        request_id: str = "",
-        observers: ObserverSet | None = None,
+        request_id: str,
+        plan: RequestPlan,
+        first_input: StageInput,
+        params: Mapping[str, Any],
+        window: int,
     ) -> None:
-        self.stage_id = stage_id
-        self.request_id = request_id
-        self.observers = observers
-        self.pending = set(upstream)
-        self.order = list(upstream)
-        self.stream = stream
-        self.processor = processor
-        self.options = options
-        self.send = send
-        self.collected: dict[str, list[StageOutput]] = {u: [] for u in upstream}
-        self.closed = False
+        self.plan = plan
+        self.first_input = first_input
+        self.params = params
+        self.lifecycle = RequestLifecycle(request_id, plan.outputs)
+        self.queue: OutputQueue[_Item] = OutputQueue(window)
+        self.scope = trio.CancelScope()
+        self.done = trio.Event()
+        self.produced: list[OmniOutput] = []
+        self.error: BaseException | None = None  # set when the request ends failed
 
-    async def _send(self, chunk: StageInput) -> None:
-        try:
-            await self.send.send(chunk)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            # The downstream stage no longer reads its input: it finished on what it had,
-            # or it failed (then the request's scope is cancelled and the next checkpoint
-            # of this stage raises Cancelled). Either way nothing more goes there.
-            self.closed = True
+    @property
+    def request_id(self) -> str:
+        return self.lifecycle.request_id
 
-    async def on_output(self, source: str, out: StageOutput) -> None:
-        if self.closed:
-            return
-        if self.stream:
-            chunk = self.processor({source: [out]}, final=False, options=self.options)
-            if chunk is not None:
-                self._observe(source, chunk)
-                await self._send(chunk)
-        else:
-            self.collected[source].append(out)
+    def __repr__(self) -> str:
+        return (
+            f"<request {self.request_id!r} {self.lifecycle.status} stages={list(self.plan.active)}>"
+        )
 
-    async def on_finished(self, source: str) -> None:
-        self.pending.discard(source)
-        if self.pending:
-            return
-        if self.stream:
-            chunk = self.processor({}, final=True, options=self.options)
-        else:
-            chunk = self.processor(
-                {u: self.collected[u] for u in self.order}, final=True, options=self.options
-            )
-        self.collected = {}
-        if chunk is not None and not self.closed:
-            self._observe(",".join(self.order), chunk)
-            await self._send(chunk)
-        await self.send.aclose()
 
-    def _observe(self, source: str, chunk: StageInput) -> None:
-        if self.observers:
-            nbytes = payload_nbytes(chunk.token_ids, chunk.prompt, chunk.data)
-            self.observers.emit("transfer", self.request_id, source, self.stage_id, nbytes)
+class RequestHandle:
+    """The consumer's narrow handle on one admitted request (see :class:`RequestStream`)."""
+
+    __slots__ = ("_orch", "_req")
+
+    def __init__(self, orchestrator: Orchestrator, request: _Request) -> None:
+        self._orch = orchestrator
+        self._req = request
+
+    @property
+    def request_id(self) -> str:
+        return self._req.request_id
+
+    @property
+    def status(self) -> RequestStatus:
+        return self._req.lifecycle.status
+
+    @property
+    def ended(self) -> bool:
+        """True once the request left the orchestrator (every stage dropped it)."""
+        return self._req.done.is_set()
+
+    async def receive(self) -> OmniOutput:
+        """The next output, terminals included. Always checkpoints. Raises
+        ``trio.EndOfChannel`` after the last one, or the request's error if it failed."""
+        item = await self._req.queue.receive()
+        if isinstance(item, outcome.Error):
+            item.unwrap()
+        assert isinstance(item, OmniOutput)
+        return item
+
+    def cancel(self) -> None:
+        """Abort the request without waiting. Synchronous; a no-op once it ended."""
+        self._orch._request_abort(self._req)
+
+    async def cancel_and_wait(self) -> None:
+        """Abort the request (if it still runs) and wait, shielded, until every stage dropped
+        it. Always checkpoints; not cancellable (the wait is bounded by the stages' abort)."""
+        await self._orch._cancel_and_wait(self._req)
+
+    async def abort(self) -> list[OmniOutput]:
+        """Abort and wait; the outputs so far (see :meth:`Orchestrator.abort`)."""
+        return await self._orch._abort(self._req)
+
+    def close_receiver(self) -> None:
+        """The consumer stops reading: later outputs are dropped, and a stage delivering one
+        finds the consumer gone, which aborts the request. Synchronous."""
+        self._req.queue.close_receiver()
 
 
 class Orchestrator:
@@ -140,11 +171,12 @@ class Orchestrator:
 
     def __init__(self, config: PipelineConfig, pools: Mapping[str, StagePool]) -> None:
         self.config = config
-        self.pools = dict(pools)
+        self._pools = dict(pools)
         self._nursery: trio.Nursery | None = None
-        self._requests: dict[str, RequestState] = {}
+        self._closing = trio.Event()
+        self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
-        self._processors = {
+        self._processors: dict[str, InputProcessor] = {
             st.id: load_processor(
                 st.input_processor, where=f"$.stages[{i}].input_processor", source=config.source
             )
@@ -159,16 +191,30 @@ class Orchestrator:
         self.n_failed = 0
         self.n_total = 0
 
-    def attach(self, nursery: trio.Nursery) -> None:
-        self._nursery = nursery
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the request tasks: report started, run until :meth:`close`, then return once
+        every request ended. Checkpoints. Cancelling it cancels every request (each still gets
+        its terminal outputs)."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await self._closing.wait()
+        finally:
+            self.close()
+            self._nursery = None
 
     # -- admission -------------------------------------------------------------------------
     def new_request_id(self) -> str:
         return f"omni-{next(self._ids)}"
 
     def submit(
-        self, request_id: str, first_input: StageInput, plan: RequestPlan, params: dict[str, Any]
-    ) -> tuple[RequestState, trio.MemoryReceiveChannel[OmniOutput]]:
+        self,
+        request_id: str,
+        first_input: StageInput,
+        plan: RequestPlan,
+        params: Mapping[str, Any],
+    ) -> RequestHandle:
         """Admit a request and start its task. Synchronous (no checkpoint).
 
         Raises EngineClosedError, EngineOverloadedError, DuplicateRequestError.
@@ -183,25 +229,24 @@ class Orchestrator:
                 f"{len(self._requests)} requests in flight, the limit "
                 f"(max_requests_in_flight) is {limit}"
             )
-        send, receive = trio.open_memory_channel[OmniOutput](self.config.output_buffer)
-        state = RequestState(request_id=request_id, plan=plan, send=send)
-        self._requests[request_id] = state
+        req = _Request(request_id, plan, first_input, params, self.config.output_buffer)
+        req.lifecycle.start()
+        self._requests[request_id] = req
         self.n_total += 1
         if self.observers:
             self.observers.emit("request_started", request_id)
-        self._nursery.start_soon(self._run_request, state, first_input, params, name=request_id)
-        return state, receive
+        self._nursery.start_soon(self._run_request, req, name=request_id)
+        return RequestHandle(self, req)
 
     # -- the request task ----------------------------------------------------------------------
-    async def _run_request(
-        self, state: RequestState, first_input: StageInput, params: dict[str, Any]
-    ) -> None:
-        plan = state.plan
+    async def _run_request(self, req: _Request) -> None:
+        plan = req.plan
+        feeds: list[StageFeed] = []
         try:
-            with state.scope:
+            with req.scope:
                 async with trio.open_nursery() as nursery:
                     inputs: dict[str, trio.MemoryReceiveChannel[StageInput]] = {}
-                    feeds: dict[str, list[_Feed]] = {sid: [] for sid in plan.active}
+                    feeds_of: dict[str, list[StageFeed]] = {sid: [] for sid in plan.active}
                     for sid in plan.active:
                         st = self.config.stage(sid)
                         send, receive = trio.open_memory_channel[StageInput](
@@ -209,184 +254,261 @@ class Orchestrator:
                         )
                         inputs[sid] = receive
                         if not st.inputs:
-                            send.send_nowait(first_input)
+                            send.send_nowait(req.first_input)
                             send.close()
                             continue
-                        feed = _Feed(
+                        feed = StageFeed(
                             sid,
                             st.inputs,
-                            st.stream_input,
-                            self._processors[sid],
-                            st.processor_options,
-                            send,
-                            state.request_id,
-                            self.observers,
+                            stream=st.stream_input,
+                            processor=self._processors[sid],
+                            options=st.processor_options,
+                            send=send,
+                            request_id=req.request_id,
+                            observers=self.observers,
                         )
+                        feeds.append(feed)
                         for up in st.inputs:
-                            feeds[up].append(feed)
+                            feeds_of[up].append(feed)
                     for sid in plan.active:
-                        nursery.start_soon(
-                            self._run_stage, state, sid, inputs[sid], params[sid], feeds[sid]
-                        )
+                        nursery.start_soon(self._run_stage, req, sid, inputs[sid], feeds_of[sid])
         finally:
-            self._finish(state)
+            for feed in feeds:
+                feed.close()
+            self._finish(req)
 
     async def _run_stage(
         self,
-        state: RequestState,
+        req: _Request,
         sid: str,
         inputs: trio.MemoryReceiveChannel[StageInput],
-        sampling_params: Any,
-        feeds: list[_Feed],
+        feeds: list[StageFeed],
     ) -> None:
-        deliver = sid in state.plan.outputs
-        index = self._index[sid]
-        kind = self.config.stages[index].output_type
-        rid = state.request_id
-        last_finished = False
-        first = True
-        observers = self.observers
-
-        async def emit(out: StageOutput) -> None:
-            nonlocal last_finished, first
-            omni = OmniOutput(
-                request_id=rid,
-                stage_id=sid,
-                stage_index=index,
-                kind=kind,
-                text=out.text,
-                token_ids=tuple(out.token_ids),
-                data=out.data,
-                finished=out.finished,
-                finish_reason=out.finish_reason,
-                metrics=out.metrics,
-            )
-            state.produced.append(omni)
-            last_finished = out.finished
-            if observers:
-                observers.emit("stage_output", rid, sid, first)
-            first = False
-            if deliver:
-                try:
-                    await state.send.send(omni)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    # the caller stopped listening: that is an abort
-                    state.scope.cancel()
-                    await trio.lowlevel.checkpoint()
-            for feed in feeds:
-                await feed.on_output(sid, out)
-
+        rid = req.request_id
+        pool = self._pools[sid]
+        outbox_send, outbox = trio.open_memory_channel[StageOutput](self.config.output_buffer)
+        completed = False
         status = "aborted"
-        try:
-            async with inputs:
-                if observers:
-                    observers.emit("stage_started", rid, sid)
-                await self.pools[sid].run_request(rid, inputs, sampling_params, emit)
-            if not last_finished:
-                # the backend ended without a finished output; the caller still gets one
-                await emit(StageOutput(finished=True, finish_reason="stop"))
-            state.finished_stages.add(sid)
-            status = "finished"
-            for feed in feeds:
-                await feed.on_finished(sid)
-        except StageAborted:
-            # dropped through a direct backend/pool abort: an abort, not a failure
-            state.scope.cancel()
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            # a downstream stage of this request is gone: the request is failing already
-            if state.error is None and not state.scope.cancel_called:
-                state.fail(StageError(f"stage {sid!r}: downstream closed: {exc!r}", stage_id=sid))
-        except OmniTrioError as exc:
-            if isinstance(exc, StageError):
-                exc.request_id = exc.request_id or rid
-                exc.stage_id = exc.stage_id or sid
-            state.fail(exc)
-        except Exception as exc:
-            # e.g. a user input processor raising: that request fails, nothing else
-            err = StageError(
-                f"stage {sid!r} failed request {rid!r}: {type(exc).__name__}: {exc}",
-                stage_id=sid,
-                request_id=rid,
-            )
-            err.__cause__ = exc
-            state.fail(err)
-        finally:
-            if state.error is not None and status != "finished":
-                status = "failed"
-            if observers:
-                observers.emit("stage_finished", rid, sid, status)
-
-    def _finish(self, state: RequestState) -> None:
-        if state.error is not None:
-            state.status = "failed"
-            self.n_failed += 1
-        elif not set(state.plan.outputs) <= state.finished_stages:
-            state.status = "aborted"
-            self.n_aborted += 1
-            for sid in state.plan.outputs:
-                if sid not in state.finished_stages:
-                    index = self._index[sid]
-                    state.tail.append(
-                        OmniOutput(
-                            request_id=state.request_id,
-                            stage_id=sid,
-                            stage_index=index,
-                            kind=self.config.stages[index].output_type,
-                            finished=True,
-                            finish_reason=FINISH_ABORT,
-                        )
-                    )
-        else:
-            state.status = "finished"
-            self.n_finished += 1
-        state.send.close()
         if self.observers:
-            self.observers.emit("request_finished", state.request_id, state.status)
-        self._requests.pop(state.request_id, None)
-        state.done.set()
+            self.observers.emit("stage_started", rid, sid)
+
+        async def run_backend() -> None:
+            # the backend's emit only queues into the outbox: routing happens in this stage's
+            # routing loop below, never in the backend's call stack
+            nonlocal completed
+            async with outbox_send:
+                try:
+                    with inputs:
+                        await pool.run_request(rid, inputs, req.params[sid], outbox_send.send)
+                except StageAborted:
+                    # dropped through a direct backend/pool abort: an abort, not a failure
+                    self._request_abort(req)
+                    return
+                except Exception as exc:
+                    self._fail(req, sid, exc)
+                    return
+                completed = True
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_backend)
+                try:
+                    async for out in outbox:
+                        await self._route(req, sid, out, feeds)
+                    if completed and not req.lifecycle.failed:
+                        if not req.lifecycle.stage_finished(sid):
+                            # the backend ended without a finished output; the caller gets one
+                            await self._route(req, sid, _STOPPED, feeds)
+                        for feed in feeds:
+                            if feed.finish(sid):
+                                await feed.send_final(feed.final_chunk())
+                        status = "finished"
+                except OmniTrioError as exc:
+                    # a routing failure (contract, input processor): cancels the request,
+                    # and with it this stage's backend
+                    self._fail(req, sid, exc)
+        finally:
+            if req.lifecycle.failed and status != "finished":
+                status = "failed"
+            if self.observers:
+                self.observers.emit("stage_finished", rid, sid, status)
+
+    async def _route(
+        self, req: _Request, sid: str, out: StageOutput, feeds: list[StageFeed]
+    ) -> None:
+        """Deliver one output of stage ``sid``: to the caller (if an output stage) and to the
+        downstream feeds. Checkpoints. Raises StageError (contract or processor failures)."""
+        try:
+            req.lifecycle.stage_output(sid, out.finished)
+        except ContractViolation as exc:
+            replica = self._pools[sid].replica_of(req.request_id)
+            name = replica.name if replica is not None else f"{sid}[?]"
+            raise StageError(
+                f"replica {name} broke the backend contract: {exc}",
+                stage_id=sid,
+                request_id=req.request_id,
+            ) from None
+        index = self._index[sid]
+        omni = OmniOutput(
+            request_id=req.request_id,
+            stage_id=sid,
+            stage_index=index,
+            kind=self.config.stages[index].output_type,
+            text=out.text,
+            token_ids=tuple(out.token_ids),
+            data=out.data,
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+            metrics=out.metrics,
+        )
+        req.produced.append(omni)
+        if self.observers:
+            self.observers.emit("stage_output", req.request_id, sid, len(req.produced) == 1)
+        if sid in req.plan.outputs:
+            try:
+                await req.queue.send(omni)
+            except trio.BrokenResourceError:
+                # the consumer stopped listening: that is an abort
+                self._request_abort(req)
+                await trio.lowlevel.checkpoint()
+        for feed in feeds:
+            chunk = feed.take(sid, out)
+            if chunk is not None:
+                await feed.send(sid, chunk)
+
+    def _fail(self, req: _Request, sid: str, exc: BaseException) -> None:
+        """Record a request-scoped failure of stage ``sid`` and cancel the request."""
+        if isinstance(exc, StageError):
+            exc.request_id = exc.request_id or req.request_id
+            exc.stage_id = exc.stage_id or sid
+            error: BaseException = exc
+        elif isinstance(exc, OmniTrioError):
+            error = exc
+        else:
+            error = StageError(
+                f"stage {sid!r} failed request {req.request_id!r}: {type(exc).__name__}: {exc}",
+                stage_id=sid,
+                request_id=req.request_id,
+            )
+            error.__cause__ = exc
+        if req.lifecycle.abort_requested:
+            # an error while the request is being aborted (or the engine closing) must not
+            # vanish into the abort: it fails the request, and it is logged here
+            logger.warning(
+                "request %r failed in stage %r while being aborted: %r", req.request_id, sid, error
+            )
+        req.lifecycle.fail(error)
+        req.scope.cancel()
+
+    def _finish(self, req: _Request) -> None:
+        status = req.lifecycle.end()
+        if status == "failed":
+            self.n_failed += 1
+            req.error = request_error(req.request_id, req.lifecycle.errors)
+            req.queue.send_final_nowait(outcome.Error(req.error))
+        elif status == "aborted":
+            self.n_aborted += 1
+            for sid in req.lifecycle.abort_terminals():
+                index = self._index[sid]
+                req.queue.send_final_nowait(
+                    OmniOutput(
+                        request_id=req.request_id,
+                        stage_id=sid,
+                        stage_index=index,
+                        kind=self.config.stages[index].output_type,
+                        finished=True,
+                        finish_reason=FINISH_ABORT,
+                    )
+                )
+        else:
+            self.n_finished += 1
+        req.queue.close()
+        del self._requests[req.request_id]
+        if self.observers:
+            self.observers.emit("request_finished", req.request_id, status)
+        req.done.set()
 
     # -- control -----------------------------------------------------------------------------
-    def get(self, request_id: str) -> RequestState | None:
-        return self._requests.get(request_id)
+    def _request_abort(self, req: _Request) -> None:
+        if req.lifecycle.request_abort():
+            req.scope.cancel()
+
+    async def _cancel_and_wait(self, req: _Request) -> None:
+        # the one place that aborts a request and waits until every stage dropped it
+        self._request_abort(req)
+        with trio.CancelScope(shield=True):
+            await req.done.wait()
 
     def abort_nowait(self, request_id: str) -> bool:
-        """Cancel a request's scope; False if it is unknown or already finished. Synchronous."""
-        state = self._requests.get(request_id)
-        if state is None:
+        """Cancel a request's scope; False if it is unknown or already ended. Synchronous."""
+        req = self._requests.get(request_id)
+        if req is None:
             return False
-        state.scope.cancel()
+        self._request_abort(req)
         return True
 
     async def abort(self, request_id: str) -> list[OmniOutput]:
         """Abort and wait until every stage dropped the request; its outputs so far.
 
-        Checkpoints. Unknown or finished ids: ``[]``. Cancelling the caller does not undo the
-        abort (it is already requested) but stops the wait.
+        Always checkpoints. Cancelled before the abort is committed: nothing happens; once
+        committed the wait is shielded (bounded by the stages' abort). Unknown or ended ids:
+        ``[]``. Raises the request's :class:`StageError` (``exc.partial_outputs`` holds the
+        outputs so far) if a stage failed it, even while it was being aborted.
         """
-        state = self._requests.get(request_id)
-        if state is None:
+        req = self._requests.get(request_id)
+        if req is None:
             await trio.lowlevel.checkpoint()
             return []
-        state.scope.cancel()
-        await state.done.wait()
-        return list(state.produced)
+        return await self._abort(req)
 
-    async def close(self) -> None:
-        """Stop admission, abort every request, wait until all are gone. Checkpoints."""
+    async def _abort(self, req: _Request) -> list[OmniOutput]:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if req.done.is_set():
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return []
+        await self._cancel_and_wait(req)
+        produced = list(req.produced)
+        error = req.error
+        if error is not None:
+            if isinstance(error, StageError):
+                error.partial_outputs = produced
+                raise error
+            raise StageError(
+                f"request {req.request_id!r} failed while being aborted: {error}",
+                request_id=req.request_id,
+                partial_outputs=produced,
+            ) from error
+        return produced
+
+    def close(self) -> None:
+        """Stop admission and abort every request. Synchronous; :meth:`serve` returns once
+        they all ended. Idempotent."""
         self.closed = True
-        states = list(self._requests.values())
-        for state in states:
-            state.closing = True
-            state.scope.cancel()
-        for state in states:
-            await state.done.wait()
+        for req in list(self._requests.values()):
+            self._request_abort(req)
+        self._closing.set()
 
-    async def wait_any_done(self) -> None:
-        """Wait until one of the requests now in flight has ended. Checkpoints."""
-        for state in list(self._requests.values()):
-            await state.done.wait()
-            return
+    async def wait_idle(self) -> None:
+        """Wait until no request is in flight (event-driven). Always checkpoints."""
         await trio.lowlevel.checkpoint()
+        while self._requests:
+            await next(iter(self._requests.values())).done.wait()
+
+    def request_info(self, request_id: str) -> RequestInfo | None:
+        """A frozen snapshot of a request in flight, or None (unknown or ended)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        lc = req.lifecycle
+        return RequestInfo(
+            request_id=request_id,
+            status=lc.status,
+            stages=req.plan.active,
+            finished_stages=tuple(s for s in req.plan.active if lc.stage_finished(s)),
+            outputs_produced=len(req.produced),
+            outputs_queued=req.queue.statistics().items,
+            abort_requested=lc.abort_requested,
+        )
 
     @property
     def requests_in_flight(self) -> int:
@@ -398,3 +520,20 @@ class Orchestrator:
             f"finished={self.n_finished} aborted={self.n_aborted} failed={self.n_failed}"
             f"{' closed' if self.closed else ''}>"
         )
+
+
+def request_error(request_id: str, errors: tuple[BaseException, ...]) -> BaseException:
+    """The one error a failed request raises: its only error, or a StageError naming every
+    failure ``from ExceptionGroup`` of them all (no cause dropped). Pure."""
+    if len(errors) == 1:
+        return errors[0]
+    stages = [getattr(e, "stage_id", None) or "?" for e in errors]
+    first = errors[0]
+    error = StageError(
+        f"request {request_id!r} failed in {len(errors)} places (stages {', '.join(stages)}); "
+        f"first: {first}",
+        stage_id=getattr(first, "stage_id", None),
+        request_id=request_id,
+    )
+    error.__cause__ = BaseExceptionGroup(f"request {request_id!r} failures", list(errors))
+    return error

@@ -80,6 +80,32 @@ def plan_request(
     return RequestPlan(active=active, outputs=tuple(sorted(outs, key=order.index)))
 
 
+def _keyed_by_stage(cfg: PipelineConfig, value: Mapping[Any, Any]) -> bool:
+    """Whether a sampling-params mapping is keyed by stage (True) or is one params mapping for
+    every stage (False). A mapping with some stage keys and some others is a typo: raises
+    InvalidRequestError naming the first key that is no stage id or index."""
+    ids = set(cfg.stage_ids)
+    n = len(cfg.stages)
+
+    def is_stage(k: Any) -> bool:
+        if isinstance(k, int) and not isinstance(k, bool):
+            return 0 <= k < n
+        return isinstance(k, str) and k in ids
+
+    stage_keys = [k for k in value if is_stage(k)]
+    if not stage_keys and not any(isinstance(k, int) and not isinstance(k, bool) for k in value):
+        return False
+    if len(stage_keys) == len(value):
+        return True
+    unknown = next(k for k in value if not is_stage(k))
+    raise InvalidRequestError(
+        f"sampling_params is keyed by stage ({stage_keys[0]!r} is a stage) but {unknown!r} is "
+        f"neither a stage id nor a stage index; stages are {cfg.stage_ids}"
+        if stage_keys
+        else f"sampling_params key {unknown!r} is not a stage index (the pipeline has {n} stages)"
+    )
+
+
 def resolve_sampling_params(cfg: PipelineConfig, value: Any) -> dict[str, Any]:
     """Per-stage sampling params (pure): ``value`` is one value for all stages, a list (one per
     stage), or a dict keyed by stage id (or index). Plain dicts are merged over each stage's
@@ -95,14 +121,7 @@ def resolve_sampling_params(cfg: PipelineConfig, value: Any) -> dict[str, Any]:
                 f"got {len(value)}"
             )
         per_stage = dict(zip(ids, value, strict=True))
-    elif (
-        isinstance(value, Mapping)
-        and value
-        and all(
-            (isinstance(k, str) and k in ids) or (isinstance(k, int) and 0 <= k < len(ids))
-            for k in value
-        )
-    ):
+    elif isinstance(value, Mapping) and value and _keyed_by_stage(cfg, value):
         per_stage = {sid: None for sid in ids}
         for k, v in value.items():
             per_stage[ids[k] if isinstance(k, int) else k] = v

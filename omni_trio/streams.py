@@ -2,26 +2,31 @@
 
 It is both an async context manager and an async iterator of
 :class:`~omni_trio.outputs.OmniOutput`. The request is admitted when the stream is entered
-(or first iterated). Leaving the ``async with`` block before the request finished, or being
+(or first iterated). Leaving the ``async with`` block before the request ended, or being
 cancelled inside it, aborts the request in every stage and waits for that before
-``__aexit__`` returns. Plain ``async for`` without ``async with`` also works; breaking out
-of such a loop aborts the request when the iterator is finalized (fire-and-forget).
+``__aexit__`` returns. Plain ``async for`` without ``async with`` also works: cancelled while it
+waits for an output, it aborts and waits the same way; breaking out of such a loop aborts the
+request when the iterator is finalized (without waiting: only ``async with`` can wait).
+
+The stream holds a narrow :class:`~omni_trio.orchestrator.RequestHandle` (receive, cancel,
+cancel-and-wait, status); the request itself is owned by the orchestrator.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
+from .orchestrator import RequestHandle
 from .outputs import OmniOutput, StageInput
-
-if TYPE_CHECKING:
-    from .orchestrator import Orchestrator, RequestPlan, RequestState
+from .planning import RequestPlan
 
 __all__ = ["RequestStream"]
+
+Submit = Callable[[str, StageInput, RequestPlan, Mapping[str, Any]], RequestHandle]
 
 
 class RequestStream:
@@ -29,38 +34,40 @@ class RequestStream:
 
     def __init__(
         self,
-        orchestrator: Orchestrator,
+        submit: Submit,
         request_id: str,
         first_input: StageInput,
         plan: RequestPlan,
-        params: dict[str, Any],
+        params: Mapping[str, Any],
     ) -> None:
-        self._orch = orchestrator
+        self._submit = submit
         self.request_id = request_id
         self._first = first_input
         self.plan = plan
         self._params = params
-        self._state: RequestState | None = None
-        self._receive: trio.MemoryReceiveChannel[OmniOutput] | None = None
-        self._tail: list[OmniOutput] | None = None
+        self._handle: RequestHandle | None = None
         self._in_context = False
 
-    def _ensure_started(self) -> trio.MemoryReceiveChannel[OmniOutput]:
-        if self._receive is None:
-            self._state, self._receive = self._orch.submit(
-                self.request_id, self._first, self.plan, self._params
-            )
-        return self._receive
+    def _admit(self) -> RequestHandle:
+        # synchronous: the caller checked for cancellation just before (no checkpoint between
+        # the check and the admission, so a cancelled consumer never admits a request)
+        if self._handle is None:
+            self._handle = self._submit(self.request_id, self._first, self.plan, self._params)
+        return self._handle
 
     @property
     def status(self) -> str:
         """``pending`` (not admitted yet), ``running``, ``finished``, ``aborted`` or ``failed``."""
-        return "pending" if self._state is None else self._state.status
+        return "pending" if self._handle is None else self._handle.status
 
     async def __aenter__(self) -> RequestStream:
-        self._ensure_started()
+        """Admit the request. Always checkpoints: cancelled before admission, nothing is
+        admitted; once admitted, ``__aexit__`` is guaranteed to run. Raises
+        EngineClosedError, EngineOverloadedError, DuplicateRequestError."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._admit()
         self._in_context = True
-        await trio.lowlevel.checkpoint()
+        await trio.lowlevel.cancel_shielded_checkpoint()
         return self
 
     async def __aexit__(
@@ -69,48 +76,48 @@ class RequestStream:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Abort the request if it still runs and wait, shielded, until every stage dropped
+        it. Always checkpoints."""
         self._in_context = False
-        state = self._state
-        if self._receive is not None:
-            self._receive.close()
-        if state is not None and not state.done.is_set():
-            state.scope.cancel()
-            # shielded: the abort must be complete in every stage before we return, even
-            # when we are here because our own task was cancelled
-            with trio.CancelScope(shield=True):
-                await state.done.wait()
+        await self._leave()
+
+    async def _leave(self) -> None:
+        handle = self._handle
+        if handle is None:
+            await trio.lowlevel.checkpoint()
+            return
+        handle.close_receiver()
+        await handle.cancel_and_wait()
 
     async def receive(self) -> OmniOutput:
-        """The next output. Checkpoints. Raises ``trio.EndOfChannel`` after the last one, or
-        the request's error (a :class:`~omni_trio.errors.StageError` ...) if it failed."""
-        receive = self._ensure_started()
+        """The next output (a stage's terminal ``finished`` output included). Always
+        checkpoints. Raises ``trio.EndOfChannel`` after the last one, or the request's error
+        (a :class:`~omni_trio.errors.StageError` ...) if it failed. Outside ``async with``,
+        cancelling it aborts the request and waits until every stage dropped it."""
+        if self._handle is None:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            self._admit()
+        handle = self._handle
+        assert handle is not None
         try:
-            return await receive.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            return await self._after_last_output()
-
-    async def _after_last_output(self) -> OmniOutput:
-        # the channel is done: then come the abort terminals, then the error or the end
-        state = self._state
-        assert state is not None
-        await state.done.wait()
-        if self._tail is None:
-            self._tail = list(state.tail)
-        if self._tail:
-            return self._tail.pop(0)
-        if state.error is not None:
-            raise state.error
-        raise trio.EndOfChannel
+            return await handle.receive()
+        except trio.Cancelled:
+            if not self._in_context:
+                await self._leave()
+            raise
 
     async def abort(self) -> list[OmniOutput]:
-        """Abort this request; returns its outputs so far. Checkpoints."""
-        return await self._orch.abort(self.request_id)
+        """Abort this request and wait until every stage dropped it; its outputs so far.
+        Always checkpoints."""
+        if self._handle is None:
+            await trio.lowlevel.checkpoint()
+            return []
+        return await self._handle.abort()
 
     async def collect(self) -> list[OmniOutput]:
-        """Read every remaining output into a list. Checkpoints; raises the request's error.
-
-        Outside ``async with`` it behaves as if inside one: cancelling it aborts the request
-        everywhere before it returns."""
+        """Read every remaining output into a list. Always checkpoints; raises the request's
+        error. Outside ``async with`` it behaves as if inside one: cancelling it aborts the
+        request everywhere before it returns."""
         if self._in_context:
             return [out async for out in self]
         async with self:
@@ -128,11 +135,10 @@ class RequestStream:
                     return
                 yield out
         finally:
-            # a plain `async for` that stopped early: trio finalizes this generator, and
-            # the request must not keep running for nobody
-            state = self._state
-            if not self._in_context and state is not None and not state.done.is_set():
-                state.scope.cancel()
+            # a plain `async for` that stopped early: trio finalizes this generator, and the
+            # request must not keep running for nobody (finalizers cannot wait: async with can)
+            if not self._in_context and self._handle is not None:
+                self._handle.cancel()
 
     def __repr__(self) -> str:
         return (

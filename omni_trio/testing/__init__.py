@@ -9,6 +9,9 @@ Typical use, with pytest-trio and ``trio.testing.MockClock(autojump_threshold=0)
         async with omni_trio.open_engine(cfg) as engine:
             await my_app(engine)
             assert_nothing_in_flight(engine)
+
+Cancellation at every checkpoint of your own consumer code: :func:`cancel_at_every_checkpoint`
+(see :mod:`omni_trio.testing.cancellation`).
 """
 
 from __future__ import annotations
@@ -16,13 +19,22 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import trio
-
 from ..config import PipelineConfig, load_config
+from ..engine import Engine
 from ..stages.scripted import ScriptedBackend, scripted_tokens
+from ._checks import assert_nothing_in_flight, in_flight_problems, wait_until_idle
+from .cancellation import (
+    CancellationFailure,
+    CancellationReport,
+    cancel_at_every_checkpoint,
+)
 
 __all__ = [
+    "CancellationFailure",
+    "CancellationReport",
     "assert_nothing_in_flight",
+    "cancel_at_every_checkpoint",
+    "in_flight_problems",
     "scripted_backends",
     "scripted_pipeline",
     "scripted_tokens",
@@ -70,37 +82,10 @@ def scripted_pipeline(
     return load_config({"name": name, "stages": cfg_stages, **dict(engine_options or {})})
 
 
-def scripted_backends(engine: Any, stage_id: str) -> list[ScriptedBackend]:
+def scripted_backends(engine: Engine, stage_id: str) -> list[ScriptedBackend]:
     """The scripted replicas of a stage (to assert on ``received`` / ``aborted``)."""
     replicas = engine.pools[stage_id].replicas
     out = [r for r in replicas if isinstance(r, ScriptedBackend)]
     if len(out) != len(replicas):
         raise TypeError(f"stage {stage_id!r} is not a scripted stage")
     return out
-
-
-def assert_nothing_in_flight(engine: Any) -> None:
-    """Assert that no request state is left anywhere: orchestrator, pools, replicas."""
-    stats = engine.statistics()
-    problems = []
-    if stats.requests_in_flight:
-        problems.append(f"{stats.requests_in_flight} request(s) in flight in the orchestrator")
-    for st in stats.stages:
-        if st.requests_in_flight:
-            problems.append(f"stage {st.stage_id!r}: {st.requests_in_flight} bound request(s)")
-        for r in st.replicas:
-            if r.requests_in_flight:
-                problems.append(
-                    f"stage {st.stage_id!r} replica {r.replica}: {r.requests_in_flight} running"
-                )
-    if problems:
-        raise AssertionError("requests left in flight: " + "; ".join(problems))
-
-
-async def wait_until_idle(engine: Any) -> None:
-    """Wait until no request is in flight anywhere (event-driven: it waits on each remaining
-    request's completion, no polling). Checkpoints; bound it with ``trio.fail_after``."""
-    orch = engine.orchestrator
-    while orch.requests_in_flight:
-        await orch.wait_any_done()
-    await trio.lowlevel.checkpoint()

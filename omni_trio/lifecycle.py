@@ -1,0 +1,123 @@
+"""A request's life as a small pure state machine: ``RequestLifecycle``.
+
+admitted -> running -> finished | aborted | failed
+
+The orchestrator owns one per request and feeds it what happens (a stage's output, a stage
+ending, an error, an abort); the lifecycle decides what that means: whether an output breaks
+the backend contract, which output stages still need an abort terminal, what the request's
+final status is. No I/O, no checkpoints, no trio: every rule here is unit-tested on its own.
+
+The rules:
+
+- exactly one terminal per output stage: a stage's own finished output is its terminal; an
+  output after it breaks the backend contract (:class:`ContractViolation`);
+- an error wins over an abort: a stage error raised while the request was being aborted or the
+  engine was closing still fails the request (the consumer gets the error, not an abort);
+- an abort that lands after every output stage finished changes nothing: the request finished;
+- otherwise an ended request is aborted, and every output stage without a terminal gets one
+  ``finish_reason="abort"`` terminal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+__all__ = ["ContractViolation", "RequestLifecycle", "RequestStatus"]
+
+RequestStatus = Literal["admitted", "running", "finished", "aborted", "failed"]
+_TERMINAL: frozenset[str] = frozenset({"finished", "aborted", "failed"})
+
+
+class ContractViolation(Exception):
+    """A stage broke the backend contract (an output after its finished output)."""
+
+
+class RequestLifecycle:
+    """The state of one request. Pure: methods change only this object, never block."""
+
+    __slots__ = ("_errors", "_finished", "_outputs", "_status", "abort_requested", "request_id")
+
+    def __init__(self, request_id: str, output_stages: Iterable[str]) -> None:
+        self.request_id = request_id
+        self._outputs = tuple(output_stages)
+        self._finished: set[str] = set()
+        self._errors: list[BaseException] = []
+        self._status: RequestStatus = "admitted"
+        #: an abort (or the engine's close) was requested; the request may still finish
+        self.abort_requested = False
+
+    # -- transitions -------------------------------------------------------------------------
+    def start(self) -> None:
+        """admitted -> running."""
+        if self._status != "admitted":
+            raise RuntimeError(f"request {self.request_id!r} cannot start: it is {self._status}")
+        self._status = "running"
+
+    def stage_output(self, stage_id: str, finished: bool) -> None:
+        """A stage produced an output. Raises ContractViolation if that stage had finished."""
+        if stage_id in self._finished:
+            raise ContractViolation(
+                f"stage {stage_id!r} produced an output for request {self.request_id!r} "
+                f"after its finished output"
+            )
+        if finished:
+            self._finished.add(stage_id)
+
+    def request_abort(self) -> bool:
+        """Note an abort request. False if the request had already ended (nothing to do)."""
+        if self._status in _TERMINAL:
+            return False
+        self.abort_requested = True
+        return True
+
+    def fail(self, error: BaseException) -> None:
+        """Record a request-scoped error. Every error is kept, in the order they came."""
+        self._errors.append(error)
+
+    def end(self) -> RequestStatus:
+        """The request task ended: decide and return its final status (once)."""
+        if self._status in _TERMINAL:
+            raise RuntimeError(f"request {self.request_id!r} already ended ({self._status})")
+        if self._errors:
+            self._status = "failed"
+        elif self._finished.issuperset(self._outputs):
+            self._status = "finished"
+        else:
+            self._status = "aborted"
+        return self._status
+
+    # -- queries -----------------------------------------------------------------------------
+    @property
+    def status(self) -> RequestStatus:
+        return self._status
+
+    @property
+    def ended(self) -> bool:
+        return self._status in _TERMINAL
+
+    @property
+    def failed(self) -> bool:
+        """True as soon as an error is recorded (the request will end ``failed``)."""
+        return bool(self._errors)
+
+    @property
+    def errors(self) -> tuple[BaseException, ...]:
+        return tuple(self._errors)
+
+    def stage_finished(self, stage_id: str) -> bool:
+        return stage_id in self._finished
+
+    def abort_terminals(self) -> tuple[str, ...]:
+        """The output stages that get an abort terminal: those without their own terminal,
+        and only for an aborted request (a failed request raises its error instead)."""
+        if self._status != "aborted":
+            return ()
+        return tuple(s for s in self._outputs if s not in self._finished)
+
+    def __repr__(self) -> str:
+        return (
+            f"<RequestLifecycle {self.request_id!r} {self._status} "
+            f"finished={sorted(self._finished)} errors={len(self._errors)}"
+            f"{' abort-requested' if self.abort_requested else ''}>"
+        )

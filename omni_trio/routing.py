@@ -1,0 +1,154 @@
+"""Stage-to-stage feeds: upstream outputs of one request -> one downstream stage's input.
+
+A :class:`StageFeed` belongs to one downstream stage of one request. The orchestrator's
+routing task of each upstream stage hands it that stage's outputs (:meth:`StageFeed.on_output`)
+and tells it when the upstream finished (:meth:`StageFeed.on_finished`); the feed runs the
+downstream stage's input processor and sends the resulting chunks into the downstream
+stage's bounded input channel. It never runs inside a backend's call stack, so a processor
+that raises fails the request as a :class:`~omni_trio.errors.StageError` of the *downstream*
+stage and counts against no replica of the upstream one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import trio
+
+from .errors import StageError
+from .observer import ObserverSet, payload_nbytes
+from .outputs import StageInput, StageOutput
+from .stages.processors import InputProcessor
+
+__all__ = ["StageFeed"]
+
+
+class StageFeed:
+    """Collects upstream outputs for one downstream stage of one request and sends its input.
+
+    ``stream`` (the stage's ``stream_input``) sends one processed chunk per upstream delta;
+    otherwise the outputs are collected and processed once every upstream finished.
+    """
+
+    __slots__ = (
+        "_closed",
+        "_collected",
+        "_observers",
+        "_options",
+        "_order",
+        "_pending",
+        "_processor",
+        "_send",
+        "_stream",
+        "request_id",
+        "stage_id",
+    )
+
+    def __init__(
+        self,
+        stage_id: str,
+        upstream: Sequence[str],
+        *,
+        stream: bool,
+        processor: InputProcessor,
+        options: Mapping[str, Any],
+        send: trio.MemorySendChannel[StageInput],
+        request_id: str,
+        observers: ObserverSet,
+    ) -> None:
+        self.stage_id = stage_id
+        self.request_id = request_id
+        self._observers = observers
+        self._pending = set(upstream)
+        self._order = tuple(upstream)
+        self._stream = stream
+        self._processor = processor
+        self._options = options
+        self._send = send
+        self._collected: dict[str, list[StageOutput]] = {u: [] for u in upstream}
+        self._closed = False
+
+    def _process(
+        self, upstream: Mapping[str, Sequence[StageOutput]], final: bool
+    ) -> StageInput | None:
+        try:
+            chunk = self._processor(upstream, final=final, options=self._options)
+        except Exception as exc:
+            raise StageError(
+                f"the input processor of stage {self.stage_id!r} failed for request "
+                f"{self.request_id!r}: {type(exc).__name__}: {exc}",
+                stage_id=self.stage_id,
+                request_id=self.request_id,
+            ) from exc
+        if chunk is not None and not isinstance(chunk, StageInput):
+            raise StageError(
+                f"the input processor of stage {self.stage_id!r} returned "
+                f"{type(chunk).__name__}, not a StageInput or None",
+                stage_id=self.stage_id,
+                request_id=self.request_id,
+            )
+        return chunk
+
+    def take(self, source: str, out: StageOutput) -> StageInput | None:
+        """Take one output of upstream stage ``source``; the chunk to send now, if any.
+
+        Synchronous. Raises StageError (naming this feed's stage) if the processor fails."""
+        if self._closed:
+            return None
+        if self._stream:
+            return self._process({source: (out,)}, final=False)
+        self._collected[source].append(out)
+        return None
+
+    def finish(self, source: str) -> bool:
+        """Upstream ``source`` finished. True when every upstream has: then send
+        :meth:`final_chunk` with :meth:`send_final`. Synchronous."""
+        self._pending.discard(source)
+        return not self._pending
+
+    def final_chunk(self) -> StageInput | None:
+        """The last chunk, once every upstream finished. Raises StageError like ``take``."""
+        if self._closed:
+            return None
+        if self._stream:
+            return self._process({}, final=True)
+        collected, self._collected = self._collected, {}
+        return self._process({u: collected[u] for u in self._order}, final=True)
+
+    async def send(self, source: str, chunk: StageInput) -> None:
+        """Send one chunk downstream. Checkpoints; waits while the downstream input channel is
+        full (backpressure). A downstream stage that stopped reading closes the feed."""
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._observers:
+            nbytes = payload_nbytes(chunk.token_ids, chunk.prompt, chunk.data)
+            self._observers.emit("transfer", self.request_id, source, self.stage_id, nbytes)
+        try:
+            await self._send.send(chunk)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            # The downstream stage no longer reads its input: it finished on what it had,
+            # or it ended otherwise (then the request's scope is cancelled, or it failed and
+            # the request is failing). Either way nothing more goes there.
+            self._closed = True
+
+    async def send_final(self, chunk: StageInput | None) -> None:
+        """Send the last chunk (if any) and close the downstream input. Checkpoints."""
+        if chunk is not None:
+            await self.send(",".join(self._order), chunk)
+        else:
+            await trio.lowlevel.checkpoint()
+        self._closed = True
+        self._send.close()
+
+    def close(self) -> None:
+        """Close the downstream input without a final chunk (the request is ending)."""
+        self._closed = True
+        self._send.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<StageFeed -> {self.stage_id!r} request={self.request_id!r} "
+            f"waiting_for={sorted(self._pending)}{' closed' if self._closed else ''}>"
+        )

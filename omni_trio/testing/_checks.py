@@ -1,0 +1,38 @@
+"""Checks that nothing of any request is left behind, and waiting until that is so."""
+
+from __future__ import annotations
+
+from ..engine import Engine
+
+__all__ = ["assert_nothing_in_flight", "in_flight_problems", "wait_until_idle"]
+
+
+def in_flight_problems(engine: Engine) -> list[str]:
+    """What is still in flight anywhere (orchestrator, pools, replicas), one line each;
+    empty when nothing is. Synchronous."""
+    stats = engine.statistics()
+    problems = []
+    if stats.requests_in_flight:
+        problems.append(f"{stats.requests_in_flight} request(s) in flight in the orchestrator")
+    for st in stats.stages:
+        if st.requests_in_flight:
+            problems.append(f"stage {st.stage_id!r}: {st.requests_in_flight} bound request(s)")
+        for r in st.replicas:
+            if r.requests_in_flight:
+                problems.append(
+                    f"stage {st.stage_id!r} replica {r.replica}: {r.requests_in_flight} running"
+                )
+    return problems
+
+
+def assert_nothing_in_flight(engine: Engine) -> None:
+    """Assert that no request state is left anywhere: orchestrator, pools, replicas."""
+    problems = in_flight_problems(engine)
+    if problems:
+        raise AssertionError("requests left in flight: " + "; ".join(problems))
+
+
+async def wait_until_idle(engine: Engine) -> None:
+    """Wait until no request is in flight anywhere (event-driven: it waits on each remaining
+    request's end, no polling). Always checkpoints; bound it with ``trio.fail_after``."""
+    await engine.orchestrator.wait_idle()
