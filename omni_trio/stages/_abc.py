@@ -123,7 +123,8 @@ class _Running:
     violation: StageError | None = None
 
 
-def _is_cancellation(exc: BaseException) -> bool:
+def is_cancellation(exc: BaseException) -> bool:
+    """Whether ``exc`` is a ``trio.Cancelled``, or a group of nothing else. Pure."""
     if isinstance(exc, BaseExceptionGroup):
         return exc.split(trio.Cancelled)[1] is None
     return isinstance(exc, trio.Cancelled)
@@ -249,7 +250,7 @@ class StageBackend(abc.ABC):
                     self._die(exc)
             self._die(ReplicaDeadError(f"replica {self.name} stopped serving unexpectedly"))
         except BaseException as exc:
-            cancelled = _is_cancellation(exc)
+            cancelled = is_cancellation(exc)
             if not self._ready and not cancelled and self._death is None:
                 self._death = exc  # a failed start: the caller gets exc itself
             await self._shutdown()
@@ -413,6 +414,11 @@ class StageBackend(abc.ABC):
         running.scope.cancel()
         await running.done.wait()
         return list(running.partial)
+
+    def partial_outputs(self, request_id: str) -> list[StageOutput]:
+        """The outputs a running request has emitted so far (``[]`` if it is not running)."""
+        running = self._running.get(request_id)
+        return list(running.partial) if running else []
 
     async def collective_rpc(
         self,

@@ -1,5 +1,11 @@
 """Messages between the vllm backend (caller side) and its worker thread, and the pure
-conversions between omni-trio and vLLM values. No vllm import here."""
+conversions between omni-trio and vLLM values. No vllm import here.
+
+Results cross the thread boundary as :mod:`outcome` values: the start result
+(``Outcome[Ready]``) on the event bridge, then :class:`Died` if the engine dies; each RPC's
+``Outcome`` on its reply bridge; a request's failure as an ``outcome.Error`` after its
+outputs. The caller unwraps them, so the worker's exception is raised on its side.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidRequestError
+import outcome
+
+from ..errors import InvalidRequestError, ReplicaDeadError
 from ..outputs import StageInput, StageOutput
 from ..transport.bridge import BridgeSender
 
@@ -27,8 +35,8 @@ CPU_ENGINE_DEFAULTS: dict[str, Any] = {
 class Submit:
     request_id: str
     prompt: StageInput
-    sampling_params: Any
-    out: BridgeSender[Any]
+    sampling_params: Any  # the user's: None, a dict or a vllm SamplingParams
+    out: BridgeSender[StageOutput | outcome.Error]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +46,11 @@ class Abort:
 
 @dataclass(frozen=True, slots=True)
 class Rpc:
+    # the user's arguments and the engine's answer are open by nature
     method: str
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    reply: BridgeSender[Any]
+    reply: BridgeSender[outcome.Outcome[Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,26 +59,20 @@ class Ready:
 
 
 @dataclass(frozen=True, slots=True)
-class StartFailed:
-    error: BaseException
-
-
-@dataclass(frozen=True, slots=True)
 class Died:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class Failed:
-    """An exception crossing the thread boundary, re-raised by the caller."""
-
-    error: BaseException
-    engine_dead: bool = False
+#: what the worker reports on its event bridge: its start outcome, then maybe a death
+Event = outcome.Outcome[Ready] | Died
 
 
-@dataclass(frozen=True, slots=True)
-class RpcResult:
-    value: Any
+def engine_died(name: str, exc: BaseException) -> outcome.Error:
+    """A request failure because the engine died: it travels as :class:`ReplicaDeadError`
+    (caused by vLLM's error), so the caller tells it apart without importing vllm. Pure."""
+    error = ReplicaDeadError(f"replica {name}: engine died: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return outcome.Error(error)
 
 
 # -- pure helpers -------------------------------------------------------------------------
