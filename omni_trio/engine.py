@@ -112,7 +112,8 @@ class Engine:
         self._stages_stopped = trio.Event()
         self._stop_error: StageStopError | None = None
         self._stop_error_raised = False
-        self._rpc_scopes: set[trio.CancelScope] = set()
+        # pending collective_rpc calls: their scope (close cancels it) -> set when they end
+        self._rpcs: dict[trio.CancelScope, trio.Event] = {}
         self._plans: dict[tuple[Any, Any], RequestPlan] = {}
 
     # -- session -------------------------------------------------------------------------------
@@ -170,6 +171,8 @@ class Engine:
                     body_error = exc
                 finally:
                     self._begin_close()
+            with trio.CancelScope(shield=True):
+                await self._rpcs_ended()
             self._stop_stages()
         if body_error is not None:
             if self._stop_error is not None and not self._stop_error_raised:
@@ -202,7 +205,9 @@ class Engine:
                         leaf = single_leaf(starts)
                         raise (leaf if leaf is not None else starts) from None
                     if rest is not None:
-                        raise
+                        # the cancellation that stopped the pools (this scope catches it),
+                        # or a bug: either way not ours to swallow
+                        raise rest from None
         finally:
             self._stages_stopped.set()
 
@@ -260,8 +265,13 @@ class Engine:
             return
         self._state = "closing"
         self.orchestrator.close()
-        for scope in list(self._rpc_scopes):
+        for scope in self._rpcs:
             scope.cancel()
+
+    async def _rpcs_ended(self) -> None:
+        await trio.lowlevel.checkpoint()
+        while self._rpcs:
+            await next(iter(self._rpcs.values())).wait()
 
     def _stop_stages(self) -> None:
         if self._stages_scope is not None:
@@ -282,6 +292,7 @@ class Engine:
         self._begin_close()
         with trio.CancelScope(shield=True):
             await self.orchestrator.wait_idle()
+            await self._rpcs_ended()
             self._stop_stages()
             await self._stages_stopped.wait()
         self._raise_stop_error()
@@ -418,14 +429,18 @@ class Engine:
         when the engine is closed, or closes while the call is pending.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        self._check_open()
-        chosen = (
-            list(self.pools)
-            if stage_ids is None
-            else [stage_ref(self.config, ref, "collective_rpc: stage") for ref in stage_ids]
-        )
+        try:
+            self._check_open()
+            chosen = (
+                list(self.pools)
+                if stage_ids is None
+                else [stage_ref(self.config, ref, "collective_rpc: stage") for ref in stage_ids]
+            )
+        except (EngineClosedError, InvalidRequestError):
+            await trio.lowlevel.cancel_shielded_checkpoint()  # checkpoints on every path
+            raise
         scope = trio.CancelScope()
-        self._rpc_scopes.add(scope)
+        ended = self._rpcs[scope] = trio.Event()
         results: list[Any] | None = None
         try:
             with scope:
@@ -433,7 +448,8 @@ class Engine:
                     [self.pools[sid] for sid in chosen], method, args, kwargs, timeout
                 )
         finally:
-            self._rpc_scopes.discard(scope)
+            del self._rpcs[scope]
+            ended.set()
         if results is None:
             # only close cancels this scope (the caller's own cancellation propagates)
             raise EngineClosedError(

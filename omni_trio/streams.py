@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from .errors import OmniTrioError
 from .orchestrator import RequestHandle
 from .outputs import OmniOutput, StageInput
 from .planning import RequestPlan
@@ -48,11 +49,18 @@ class RequestStream:
         self._handle: RequestHandle | None = None
         self._in_context = False
 
-    def _admit(self) -> RequestHandle:
-        # synchronous: the caller checked for cancellation just before (no checkpoint between
-        # the check and the admission, so a cancelled consumer never admits a request)
+    async def _admit(self) -> RequestHandle:
+        # Check for cancellation, then admit with no checkpoint in between (a cancelled
+        # consumer never admits a request, an admitted one always gets to its __aexit__), then
+        # a schedule point on every path, refusals included.
+        await trio.lowlevel.checkpoint_if_cancelled()
         if self._handle is None:
-            self._handle = self._submit(self.request_id, self._first, self.plan, self._params)
+            try:
+                self._handle = self._submit(self.request_id, self._first, self.plan, self._params)
+            except OmniTrioError:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                raise
+        await trio.lowlevel.cancel_shielded_checkpoint()
         return self._handle
 
     @property
@@ -64,10 +72,8 @@ class RequestStream:
         """Admit the request. Always checkpoints: cancelled before admission, nothing is
         admitted; once admitted, ``__aexit__`` is guaranteed to run. Raises
         EngineClosedError, EngineOverloadedError, DuplicateRequestError."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        self._admit()
+        await self._admit()
         self._in_context = True
-        await trio.lowlevel.cancel_shielded_checkpoint()
         return self
 
     async def __aexit__(
@@ -94,11 +100,7 @@ class RequestStream:
         checkpoints. Raises ``trio.EndOfChannel`` after the last one, or the request's error
         (a :class:`~omni_trio.errors.StageError` ...) if it failed. Outside ``async with``,
         cancelling it aborts the request and waits until every stage dropped it."""
-        if self._handle is None:
-            await trio.lowlevel.checkpoint_if_cancelled()
-            self._admit()
-        handle = self._handle
-        assert handle is not None
+        handle = self._handle if self._handle is not None else await self._admit()
         try:
             return await handle.receive()
         except trio.Cancelled:
