@@ -108,7 +108,7 @@ def one_stage(backend: str, **extra):
     return load_config({"stages": [{"id": "a", "backend": backend, "final_output": True, **extra}]})
 
 
-# -- bullet 1: a consumer cancelled while entering leaks nothing -------------------------------
+# -- bullet 1: a consumer cancelled while entering leaks nothing --
 async def test_consumer_cancelled_before_entering_admits_nothing(autojump_clock):
     async with omni_trio.open_engine(scripted_pipeline(2, outputs=4)) as engine:
         with trio.CancelScope() as scope:
@@ -122,7 +122,7 @@ async def test_consumer_cancelled_before_entering_admits_nothing(autojump_clock)
         assert_nothing_in_flight(engine)
 
 
-# -- bullet 2: exactly one terminal per output stage ----------------------------------------------
+# -- bullet 2: exactly one terminal per output stage --
 @pytest.mark.parametrize("how", ["abort", "close"])
 async def test_abort_or_close_right_after_a_stages_last_output(autojump_clock, how):
     cfg = scripted_pipeline(
@@ -144,7 +144,7 @@ async def test_abort_or_close_right_after_a_stages_last_output(autojump_clock, h
     assert engine.statistics().requests_aborted == 1
 
 
-# -- bullet 3: an error during an abort does not vanish ---------------------------------------------
+# -- bullet 3: an error during an abort does not vanish --
 async def test_stage_error_during_abort_reaches_everyone(autojump_clock, backends, caplog):
     caplog.set_level(logging.WARNING, logger="omni_trio")
     async with omni_trio.open_engine(one_stage(f"{backends}:FailOnAbort")) as engine:
@@ -175,7 +175,7 @@ async def test_stage_error_during_abort_reaches_everyone(autojump_clock, backend
         assert_nothing_in_flight(engine)
 
 
-# -- bullet 4: a replica dying after readiness fails its requests with ReplicaDeadError -----------
+# -- bullet 4: a replica dying after readiness fails its requests with ReplicaDeadError --
 @pytest.mark.parametrize("how", ["raise", "return", "die"])
 async def test_replica_death_is_replica_dead_error(autojump_clock, backends, how):
     cfg = one_stage(f"{backends}:Mortal", replicas=2)
@@ -198,7 +198,7 @@ async def test_replica_death_is_replica_dead_error(autojump_clock, backends, how
         assert_nothing_in_flight(engine)
 
 
-# -- bullet 5: RPCs live no longer than their replica and the engine -------------------------------
+# -- bullet 5: RPCs live no longer than their replica and the engine --
 async def test_pending_rpc_fails_when_its_replica_dies(autojump_clock, backends):
     async with omni_trio.open_engine(one_stage(f"{backends}:Mortal")) as engine:
         (replica,) = engine.pools["a"].replicas
@@ -241,7 +241,7 @@ async def test_collective_rpc_none_means_no_arguments(autojump_clock):
         assert results == [{"stage": "s1", "replica": 0, "args": []}]
 
 
-# -- bullet 6: routing runs outside backends ----------------------------------------------------
+# -- bullet 6: routing runs outside backends --
 async def test_input_processor_bug_is_the_downstream_stages_error(autojump_clock, backends):
     cfg = load_config(
         {
@@ -293,7 +293,7 @@ async def test_backend_emitting_after_finished_breaks_the_contract(autojump_cloc
         assert_nothing_in_flight(engine)
 
 
-# -- bullet 7: start and stop --------------------------------------------------------------------
+# -- bullet 7: start and stop --
 async def test_pipeline_shutdown_timeout_bounds_each_stop(autojump_clock):
     cfg = scripted_pipeline(2, stop_delay_s=100.0, engine_options={"shutdown_timeout": 2.0})
     t0 = trio.current_time()
@@ -333,7 +333,7 @@ async def test_one_replica_failing_to_start_cancels_its_siblings_at_once(autojum
     assert trio.current_time() - t0 < 100  # the siblings' 100 s starts were cancelled
 
 
-# -- bullet 8: arguments checked before admission --------------------------------------------------
+# -- bullet 8: arguments checked before admission --
 async def test_misspelt_stage_in_sampling_params_is_named(autojump_clock):
     async with omni_trio.open_engine(scripted_pipeline(["thinker", "talker"])) as engine:
         with pytest.raises(InvalidRequestError, match="'talkr' is neither a stage id"):
