@@ -89,7 +89,10 @@ def type_of(schema: Mapping[str, Any]) -> str:
         name = _ref_name(schema["$ref"])
         out = f"[{name}](#{_anchor(name)})"
     elif "anyOf" in schema or "oneOf" in schema:
-        out = " | ".join(type_of(s) for s in schema.get("anyOf", schema.get("oneOf", ())))
+        # alternatives without a type of their own (a bare pattern) have the outer one
+        outer = {"type": schema["type"]} if "type" in schema else {}
+        alternatives = schema.get("anyOf", schema.get("oneOf", ()))
+        out = " | ".join(type_of({**outer, **alt}) for alt in alternatives)
     elif "enum" in schema:
         out = " | ".join(f"`{json.dumps(v)}`" for v in schema["enum"])
     elif "const" in schema:
@@ -108,6 +111,34 @@ def type_of(schema: Mapping[str, Any]) -> str:
             out = str(kind)
     marks = _constraints(schema)
     return f"{out} ({', '.join(marks)})" if marks else out
+
+
+def description_of(schema: Mapping[str, Any]) -> str:
+    """The property's description; for an optional value (``X | null``) msgspec puts it on
+    the non-null alternative."""
+    if schema.get("description"):
+        return str(schema["description"])
+    for alt in schema.get("anyOf", schema.get("oneOf", ())):
+        if isinstance(alt, Mapping) and alt.get("description"):
+            return str(alt["description"])
+    return ""
+
+
+def _conditional_lines(schema: Mapping[str, Any]) -> list[str]:
+    """``allOf: [{if: {properties: {K: {const: v}}}, then: {properties: {P: S}}}]`` rules as
+    one bullet each: the type of ``P`` when ``K`` is ``v``."""
+    lines = []
+    for rule in schema.get("allOf", ()):
+        when = rule.get("if", {}).get("properties", {})
+        then = rule.get("then", {}).get("properties", {})
+        if len(when) != 1:
+            continue
+        ((key, condition),) = when.items()
+        if "const" not in condition:
+            continue
+        for prop, sub in then.items():
+            lines.append(f"- `{key}: {json.dumps(condition['const'])}`: `{prop}` is {type_of(sub)}")
+    return lines
 
 
 def _default(prop: Mapping[str, Any], required: bool) -> str:
@@ -160,10 +191,13 @@ def render_definition(name: str, schema: Mapping[str, Any], *, root: bool) -> st
                 f"`{key}`",
                 type_of(prop).replace("|", "\\|"),  # a table cell: escape the union bars
                 _default(prop, key in required),
-                _md(prop.get("description", "")),
+                _md(description_of(prop)),
             )
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+    conditional = _conditional_lines(schema)
+    if conditional:
+        lines += ["Depending on the other keys:", "", *conditional, ""]
     if schema.get("additionalProperties") is False:
         lines += ["Other keys are rejected.", ""]
     return "\n".join(lines)

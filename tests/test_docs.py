@@ -60,28 +60,77 @@ def test_config_md_has_every_key_of_every_object() -> None:
             assert f"| `{key}` |" in sections[name], f"{name}.{key} is missing from config.md"
 
 
+SAMPLE_SCHEMA: dict[str, Any] = {
+    "$ref": "#/$defs/Top",
+    "$defs": {
+        "Top": {
+            "type": "object",
+            "description": "The ``top`` object.",
+            "properties": {
+                "parts": {"type": "array", "items": {"$ref": "#/$defs/Part"}, "minItems": 1},
+                "retries": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "default": 3,
+                    "description": "how often a ``request`` is retried | at most",
+                },
+                "timeout": {
+                    "anyOf": [{"type": "number", "exclusiveMinimum": 0, "description": "secs"}]
+                    + [{"type": "null"}],
+                    "default": None,
+                },
+            },
+            "required": ["parts"],
+            "additionalProperties": False,
+        },
+        "Part": {
+            "type": "object",
+            "properties": {
+                "kind": {
+                    "type": "string",
+                    "anyOf": [{"enum": ["a", "b"]}, {"pattern": "^x:"}],
+                    "default": "a",
+                },
+                "options": {"type": "object", "default": {}},
+            },
+            "allOf": [
+                {
+                    "if": {"properties": {"kind": {"const": "a"}}},
+                    "then": {"properties": {"options": {"$ref": "#/$defs/AOptions"}}},
+                }
+            ],
+        },
+        "AOptions": {"type": "object", "properties": {"size": {"type": "integer"}}},
+        "Unused": {"type": "object", "properties": {"x": {"type": "string"}}},
+    },
+}
+
+
 def test_render_follows_the_schema() -> None:
-    schema = copy.deepcopy(gen.load_schema())
-    root = schema["$ref"].rsplit("/", 1)[-1]
-    props: dict[str, Any] = schema["$defs"][root]["properties"]
-    props["retries"] = {
-        "type": "integer",
-        "minimum": 1,
-        "default": 3,
-        "description": "how often a ``request`` is retried | at most",
-    }
-    props["mode"] = {"anyOf": [{"enum": ["fast", "safe"]}, {"type": "null"}]}
-    schema["$defs"]["Extra"] = {"type": "object", "properties": {"x": {"type": "string"}}}
-    text = gen.render(schema)
-    assert text != gen.render(gen.load_schema())
+    text = gen.render(SAMPLE_SCHEMA)
+    assert text.startswith(gen.HEADER)
+    # reading order: the root, then what it references, depth first; the rest after
+    headings = re.findall(r"^## (\S+)", text, re.M)
+    assert headings == ["Top", "Part", "AOptions", "Unused"]
+    assert "The `top` object." in text
+    assert "| `parts` | list[[Part](#part)] (>= 1 items) | **required** |  |" in text
     assert (
         "| `retries` | integer (>= 1) | `3` | how often a `request` is retried \\| at most |"
         in (text)
     )
-    assert '| `mode` | `"fast"` \\| `"safe"` \\| null |  |  |' in text
-    assert "| `stages` | list[[StageConfig](#stageconfig)] | **required** |" in text
-    # an object nothing references still gets its section, after the referenced ones
-    assert text.index("## Extra") > text.index("## StageConfig")
+    # an optional value's description sits on its non-null alternative
+    assert "| `timeout` | number (> 0) \\| null | `null` | secs |" in text
+    # a bare pattern alternative has the outer type
+    assert '| `kind` | `"a"` \\| `"b"` \\| string (matches `^x:`) | `"a"` |  |' in text
+    assert '- `kind: "a"`: `options` is [AOptions](#aoptions)' in text
+    assert text.count("Other keys are rejected.") == 1  # Top only
+
+
+def test_render_changes_with_the_schema() -> None:
+    schema = copy.deepcopy(SAMPLE_SCHEMA)
+    schema["$defs"]["Top"]["properties"]["added"] = {"type": "boolean", "default": True}
+    assert gen.render(schema) != gen.render(SAMPLE_SCHEMA)
+    assert "| `added` | boolean | `true` |  |" in gen.render(schema)
 
 
 def test_generator_check_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -127,5 +127,5 @@ def test_my_app_tests(tmp_path: Path) -> None:
         ["-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLES / "test_my_app.py")],
         cwd=ROOT,
     )
-    assert re.search(r"\b2 passed\b", out), out
+    assert re.search(r"\b4 passed\b", out), out
     assert "failed" not in out and "error" not in out.lower(), out
