@@ -229,7 +229,11 @@ async def test_rpc_pending_across_death_fails_at_once(autojump_clock):
         got = []
 
         async def rpc():
-            with pytest.raises(ReplicaDeadError, match=r"replica a\[0\] is dead") as info:
+            # (a guard: without the fix the call would hang; on the mock clock this is instant)
+            with (
+                trio.fail_after(100),
+                pytest.raises(ReplicaDeadError, match=r"a\[0\] is dead") as info,
+            ):
                 await b.collective_rpc("hang")
             got.append((info.value, trio.current_time()))
 
@@ -264,7 +268,7 @@ async def test_rpc_pending_at_stop_fails(autojump_clock):
         await nursery.start(b.serve)
 
         async def rpc():
-            with pytest.raises(ReplicaDeadError, match="is stopped"):
+            with trio.fail_after(100), pytest.raises(ReplicaDeadError, match="is stopped"):
                 await b.collective_rpc("hang")
 
         async with trio.open_nursery() as callers:
