@@ -31,9 +31,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager, nullcontext
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from types import TracebackType
-from typing import Any, overload
+from typing import overload
 
 import trio
 
@@ -47,7 +47,7 @@ from .errors import (
 )
 from .observer import EngineObserver
 from .orchestrator import Orchestrator
-from .outputs import EngineStatistics, OmniOutput, StageInput
+from .outputs import EngineStatistics, OmniOutput, Payload, Prompt, SamplingParams, StageInput
 from .planning import RequestPlan, plan_request, resolve_sampling_params, stage_ref
 from .rpc import fan_out_rpc
 from .stages.pool import StagePool
@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 _PLAN_CACHE_SIZE = 256
 
 
-def prompt_to_input(prompt: Any) -> StageInput:
+def prompt_to_input(prompt: object) -> StageInput:
     """The entry stages' input for a prompt: text, token ids, or a prompt dict. Pure."""
     if isinstance(prompt, str):
         if not prompt:
@@ -106,7 +106,7 @@ class Engine:
         }
         self.orchestrator = Orchestrator(config, self.pools)
         self.init_timeline: dict[str, dict[str, float]] = {}
-        self._session: Any = None  # the running _run() context manager
+        self._session: AbstractAsyncContextManager[Engine] | None = None  # while open
         self._state = "new"  # new | starting | open | closing | closed
         self._stages_scope: trio.CancelScope | None = None
         self._stages_stopped = trio.Event()
@@ -114,7 +114,7 @@ class Engine:
         self._stop_error_raised = False
         # pending collective_rpc calls: their scope (close cancels it) -> set when they end
         self._rpcs: dict[trio.CancelScope, trio.Event] = {}
-        self._plans: dict[tuple[Any, Any], RequestPlan] = {}
+        self._plans: dict[tuple[object, object], RequestPlan] = {}
 
     # -- session -------------------------------------------------------------------------------
     async def __aenter__(self) -> Engine:
@@ -330,9 +330,9 @@ class Engine:
 
     def generate(
         self,
-        prompt: Any,
+        prompt: Prompt,
         request_id: str | None = None,
-        sampling_params: Any = None,
+        sampling_params: SamplingParams = None,
         final_stage_id: str | int | None = None,
         output_stages: Sequence[str | int] | None = None,
     ) -> RequestStream:
@@ -413,11 +413,11 @@ class Engine:
     async def collective_rpc(
         self,
         method: str,
-        args: Sequence[Any] | None = (),
-        kwargs: Mapping[str, Any] | None = None,
+        args: Sequence[Payload] | None = (),
+        kwargs: Mapping[str, Payload] | None = None,
         stage_ids: Sequence[str | int] | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 (DESIGN.md's API)
-    ) -> list[Any]:
+    ) -> list[Payload]:
         """Call ``method`` on every replica of the chosen stages (default all; by id or index),
         concurrently. Returns one result per replica, in stage order then replica order.
 
@@ -441,7 +441,7 @@ class Engine:
             raise
         scope = trio.CancelScope()
         ended = self._rpcs[scope] = trio.Event()
-        results: list[Any] | None = None
+        results: list[Payload] | None = None
         try:
             with scope:
                 results = await fan_out_rpc(
@@ -522,7 +522,7 @@ def merge_stop_errors(group: BaseExceptionGroup[StageStopError]) -> StageStopErr
 
 
 def open_engine(
-    config: PipelineConfig | Mapping[str, Any] | str | os.PathLike[str], **overrides: Any
+    config: PipelineConfig | Mapping[str, object] | str | os.PathLike[str], **overrides: object
 ) -> Engine:
     """Open an engine session on a pipeline: ``async with open_engine(cfg) as engine: ...``.
 

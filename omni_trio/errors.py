@@ -19,13 +19,17 @@ OmniTrioError
  |    +-- StageRPCError                       a collective_rpc call failed in a stage
  +-- CollectiveRPCTimeoutError (also TimeoutError)
  +-- BackendUnavailableError (also ImportError) an optional dependency is missing
+ +-- ServerBindError (also OSError)            the HTTP server cannot listen on host:port
 ```
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .outputs import OmniOutput
 
 __all__ = [
     "BackendUnavailableError",
@@ -38,6 +42,7 @@ __all__ = [
     "NoLiveReplicaError",
     "OmniTrioError",
     "ReplicaDeadError",
+    "ServerBindError",
     "StageError",
     "StageRPCError",
     "StageStartError",
@@ -119,11 +124,11 @@ class StageError(OmniTrioError):
         *,
         stage_id: str | None = None,
         request_id: str | None = None,
-        partial_outputs: Sequence[Any] = (),
+        partial_outputs: Sequence[OmniOutput] = (),
     ) -> None:
         self.stage_id = stage_id
         self.request_id = request_id
-        self.partial_outputs: list[Any] = list(partial_outputs)
+        self.partial_outputs: list[OmniOutput] = list(partial_outputs)
         super().__init__(message)
 
 
@@ -183,3 +188,14 @@ class CollectiveRPCTimeoutError(OmniTrioError, TimeoutError):
 
 class BackendUnavailableError(OmniTrioError, ImportError):
     """A stage backend needs an optional dependency that is not installed."""
+
+
+class ServerBindError(OmniTrioError, OSError):
+    """The HTTP server cannot listen on ``host:port`` (taken, not an address of this
+    machine, no permission). ``errno`` is the operating system's."""
+
+    def __init__(self, host: str, port: int, cause: OSError) -> None:
+        self.host = host
+        self.port = port
+        reason = cause.strerror or str(cause)
+        super().__init__(cause.errno, f"cannot listen on {host}:{port}: {reason}")

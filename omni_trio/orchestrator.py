@@ -22,7 +22,6 @@ import itertools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import outcome
 import trio
@@ -37,7 +36,7 @@ from .errors import (
 )
 from .lifecycle import ContractViolation, RequestLifecycle, RequestStatus
 from .observer import ObserverSet
-from .outputs import FINISH_ABORT, OmniOutput, StageInput, StageOutput
+from .outputs import FINISH_ABORT, OmniOutput, SamplingParams, StageInput, StageOutput
 from .planning import RequestPlan
 from .routing import StageFeed
 from .stages._abc import StageAborted
@@ -93,7 +92,7 @@ class _Request:
         request_id: str,
         plan: RequestPlan,
         first_input: StageInput,
-        params: Mapping[str, Any],
+        params: Mapping[str, SamplingParams],
         window: int,
     ) -> None:
         self.plan = plan
@@ -213,7 +212,7 @@ class Orchestrator:
         request_id: str,
         first_input: StageInput,
         plan: RequestPlan,
-        params: Mapping[str, Any],
+        params: Mapping[str, SamplingParams],
     ) -> RequestHandle:
         """Admit a request and start its task. Synchronous (no checkpoint).
 

@@ -6,12 +6,16 @@ produced since the previous output of the same stage for the same request.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 __all__ = [
     "EngineStatistics",
+    "Metrics",
+    "Payload",
+    "Prompt",
+    "SamplingParams",
     "OmniOutput",
     "ReplicaState",
     "ReplicaStatistics",
@@ -21,6 +25,17 @@ __all__ = [
 ]
 
 FINISH_ABORT = "abort"
+
+#: What omni-trio carries without looking into it: a stage's data (an audio chunk, an image,
+#: a user object), an RPC's arguments and result. The one truly open type.
+Payload: TypeAlias = Any
+#: One stage's sampling params: a mapping (merged over the stage's defaults) or a backend's
+#: own object (a vLLM ``SamplingParams``), passed unchanged.
+SamplingParams: TypeAlias = Payload
+#: A backend's per-output metrics (``prompt_tokens``, ``output_index`` ...).
+Metrics: TypeAlias = Mapping[str, Payload]
+#: A request's prompt: text, token ids, or a prompt dict.
+Prompt: TypeAlias = str | Sequence[int] | Mapping[str, Payload]
 
 #: a replica's life: starting -> ready -> dead (failed after or during start) | stopped
 ReplicaState = Literal["starting", "ready", "dead", "stopped"]
@@ -37,7 +52,7 @@ class StageInput:
 
     prompt: str | None = None
     token_ids: tuple[int, ...] = ()
-    data: Any = None
+    data: Payload = None
     final: bool = True
     source: str | None = None
 
@@ -54,10 +69,10 @@ class StageOutput:
 
     token_ids: tuple[int, ...] = ()
     text: str = ""
-    data: Any = None
+    data: Payload = None
     finished: bool = False
     finish_reason: str | None = None
-    metrics: Mapping[str, Any] | None = None
+    metrics: Metrics | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +92,10 @@ class OmniOutput:
     kind: str
     text: str = ""
     token_ids: tuple[int, ...] = ()
-    data: Any = None
+    data: Payload = None
     finished: bool = False
     finish_reason: str | None = None
-    metrics: Mapping[str, Any] | None = None
+    metrics: Metrics | None = None
 
     @property
     def aborted(self) -> bool:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from .config import PipelineConfig, topological_order
 from .errors import InvalidRequestError
+from .outputs import SamplingParams
 
 __all__ = ["RequestPlan", "plan_request", "resolve_sampling_params", "stage_ref"]
 
@@ -80,14 +80,14 @@ def plan_request(
     return RequestPlan(active=active, outputs=tuple(sorted(outs, key=order.index)))
 
 
-def _keyed_by_stage(cfg: PipelineConfig, value: Mapping[Any, Any]) -> bool:
+def _keyed_by_stage(cfg: PipelineConfig, value: Mapping[object, object]) -> bool:
     """Whether a sampling-params mapping is keyed by stage (True) or is one params mapping for
     every stage (False). A mapping with some stage keys and some others is a typo: raises
     InvalidRequestError naming the first key that is no stage id or index."""
     ids = set(cfg.stage_ids)
     n = len(cfg.stages)
 
-    def is_stage(k: Any) -> bool:
+    def is_stage(k: object) -> bool:
         if isinstance(k, int) and not isinstance(k, bool):
             return 0 <= k < n
         return isinstance(k, str) and k in ids
@@ -106,12 +106,12 @@ def _keyed_by_stage(cfg: PipelineConfig, value: Mapping[Any, Any]) -> bool:
     )
 
 
-def resolve_sampling_params(cfg: PipelineConfig, value: Any) -> dict[str, Any]:
+def resolve_sampling_params(cfg: PipelineConfig, value: object) -> dict[str, SamplingParams]:
     """Per-stage sampling params (pure): ``value`` is one value for all stages, a list (one per
     stage), or a dict keyed by stage id (or index). Plain dicts are merged over each stage's
     ``default_sampling_params``; other objects (a vLLM ``SamplingParams``) pass unchanged."""
     ids = cfg.stage_ids
-    per_stage: dict[str, Any]
+    per_stage: dict[str, object]
     if value is None:
         per_stage = {sid: None for sid in ids}
     elif isinstance(value, (list, tuple)):
@@ -127,7 +127,7 @@ def resolve_sampling_params(cfg: PipelineConfig, value: Any) -> dict[str, Any]:
             per_stage[ids[k] if isinstance(k, int) else k] = v
     else:
         per_stage = {sid: value for sid in ids}
-    out: dict[str, Any] = {}
+    out: dict[str, SamplingParams] = {}
     for st in cfg.stages:
         v = per_stage[st.id]
         if v is None:

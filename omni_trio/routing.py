@@ -12,13 +12,12 @@ stage and counts against no replica of the upstream one.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import trio
 
 from .errors import StageError
 from .observer import ObserverSet, payload_nbytes
-from .outputs import StageInput, StageOutput
+from .outputs import Payload, StageInput, StageOutput
 from .stages.processors import InputProcessor
 
 __all__ = ["StageFeed"]
@@ -52,7 +51,7 @@ class StageFeed:
         *,
         stream: bool,
         processor: InputProcessor,
-        options: Mapping[str, Any],
+        options: Mapping[str, Payload],
         send: trio.MemorySendChannel[StageInput],
         request_id: str,
         observers: ObserverSet,

@@ -9,12 +9,12 @@ failed first) and turns their outcomes into one result list or one typed error
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import outcome
 import trio
 
 from .errors import CollectiveRPCTimeoutError, ReplicaDeadError, StageRPCError
+from .outputs import Payload
 from .stages.pool import StagePool, describe_failures
 
 __all__ = ["fan_out_rpc", "merge_rpc_outcomes"]
@@ -23,13 +23,13 @@ __all__ = ["fan_out_rpc", "merge_rpc_outcomes"]
 async def fan_out_rpc(
     pools: Sequence[StagePool],
     method: str,
-    args: Sequence[Any] | None,
-    kwargs: Mapping[str, Any] | None,
+    args: Sequence[Payload] | None,
+    kwargs: Mapping[str, Payload] | None,
     timeout: float | None,  # noqa: ASYNC109 (passed through to each pool)
-) -> list[Any]:
+) -> list[Payload]:
     """Call ``method`` on every replica of ``pools`` concurrently; see :func:`merge_rpc_outcomes`
     for what it returns or raises. Always checkpoints; cancelling it cancels every call."""
-    outcomes: list[outcome.Outcome[list[Any]] | None] = [None] * len(pools)
+    outcomes: list[outcome.Outcome[list[Payload]] | None] = [None] * len(pools)
 
     async def call(i: int, pool: StagePool) -> None:
         outcomes[i] = await outcome.acapture(
@@ -45,8 +45,8 @@ async def fan_out_rpc(
 
 
 def merge_rpc_outcomes(
-    method: str, timeout: float | None, outcomes: Sequence[outcome.Outcome[list[Any]]]
-) -> list[Any]:
+    method: str, timeout: float | None, outcomes: Sequence[outcome.Outcome[list[Payload]]]
+) -> list[Payload]:
     """Every pool's results, in order; or one error for them all. Pure.
 
     A timeout anywhere raises :class:`CollectiveRPCTimeoutError` naming every replica that did
@@ -55,7 +55,7 @@ def merge_rpc_outcomes(
     failing replica, ``from ExceptionGroup`` of all the pools' errors. Non-omni-trio errors
     (bugs) propagate as they are.
     """
-    results: list[Any] = []
+    results: list[Payload] = []
     errors: list[Exception] = []
     for o in outcomes:
         if isinstance(o, outcome.Value):

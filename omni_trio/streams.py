@@ -16,18 +16,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
 from types import TracebackType
-from typing import Any
 
 import trio
 
 from .errors import OmniTrioError
 from .orchestrator import RequestHandle
-from .outputs import OmniOutput, StageInput
+from .outputs import OmniOutput, SamplingParams, StageInput
 from .planning import RequestPlan
 
 __all__ = ["RequestStream"]
 
-Submit = Callable[[str, StageInput, RequestPlan, Mapping[str, Any]], RequestHandle]
+Submit = Callable[[str, StageInput, RequestPlan, Mapping[str, SamplingParams]], RequestHandle]
 
 
 class RequestStream:
@@ -39,7 +38,7 @@ class RequestStream:
         request_id: str,
         first_input: StageInput,
         plan: RequestPlan,
-        params: Mapping[str, Any],
+        params: Mapping[str, SamplingParams],
     ) -> None:
         self._submit = submit
         self.request_id = request_id

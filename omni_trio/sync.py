@@ -61,7 +61,7 @@ class SyncEngine:
 
     def abort(self, request_id: str) -> list[OmniOutput]:
         """Abort a request; its outputs so far. Blocks until every stage dropped it."""
-        return self._portal.call(self.engine.abort, request_id)  # type: ignore[no-any-return]
+        return self._portal.call(self.engine.abort, request_id)
 
     def collective_rpc(
         self,
@@ -72,7 +72,7 @@ class SyncEngine:
         timeout: float | None = None,
     ) -> list[Any]:
         """``Engine.collective_rpc``, blocking."""
-        return self._portal.call(  # type: ignore[no-any-return]
+        return self._portal.call(
             lambda: self.engine.collective_rpc(method, args, kwargs, stage_ids, timeout)
         )
 
