@@ -132,11 +132,6 @@ class RequestHandle:
     def status(self) -> RequestStatus:
         return self._req.lifecycle.status
 
-    @property
-    def ended(self) -> bool:
-        """True once the request left the orchestrator (every stage dropped it)."""
-        return self._req.done.is_set()
-
     async def receive(self) -> OmniOutput:
         """The next output, terminals included. Always checkpoints. Raises
         ``trio.EndOfChannel`` after the last one, or the request's error if it failed."""

@@ -28,8 +28,10 @@ from omni_trio.testing import (
 class Seen:
     """What one consumer saw; the invariant every run must keep."""
 
-    def __init__(self) -> None:
+    def __init__(self, output_stages: tuple[str, ...]) -> None:
+        self.output_stages = output_stages
         self.outputs: list[OmniOutput] = []
+        self.read_to_the_end = False
 
     def check(self, engine: Engine) -> None:
         terminals: dict[str, int] = defaultdict(int)
@@ -37,25 +39,32 @@ class Seen:
             assert terminals[out.stage_id] == 0, f"output after the terminal of {out.stage_id}"
             if out.finished:
                 terminals[out.stage_id] += 1
+        if self.read_to_the_end:
+            # a consumer that read its stream to the end got exactly one terminal per stage
+            assert dict(terminals) == dict.fromkeys(self.output_stages, 1), dict(terminals)
         stats = engine.statistics()
         ended = stats.requests_finished + stats.requests_aborted + stats.requests_failed
         assert ended == stats.requests_total, f"{stats} counts do not add up"
         self.outputs.clear()
+        self.read_to_the_end = False
 
 
 async def with_block(engine: Engine, seen: Seen) -> None:
     async with engine.generate([1, 2, 3]) as stream:
         async for out in stream:
             seen.outputs.append(out)
+    seen.read_to_the_end = True
 
 
 async def collect(engine: Engine, seen: Seen) -> None:
     seen.outputs.extend(await engine.generate([1, 2, 3]).collect())
+    seen.read_to_the_end = True
 
 
 async def plain_for(engine: Engine, seen: Seen) -> None:
     async for out in engine.generate([1, 2, 3]):
         seen.outputs.append(out)
+    seen.read_to_the_end = True
 
 
 async def leave_early(engine: Engine, seen: Seen) -> None:
@@ -69,6 +78,7 @@ async def abort_mid_stream(engine: Engine, seen: Seen) -> None:
         await engine.abort("to-abort")
         async for out in stream:
             seen.outputs.append(out)
+    seen.read_to_the_end = True
 
 
 SCENARIOS: dict[str, Callable[[Engine, Seen], Awaitable[None]]] = {
@@ -81,7 +91,7 @@ SCENARIOS: dict[str, Callable[[Engine, Seen], Awaitable[None]]] = {
 
 
 async def run_harness(engine: Engine, scenario: str) -> CancellationReport:
-    seen = Seen()
+    seen = Seen(tuple(engine.stage_ids))  # every stage is an output stage here
 
     async def run(engine: Engine) -> None:
         await SCENARIOS[scenario](engine, seen)
