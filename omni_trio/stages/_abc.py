@@ -76,7 +76,7 @@ async def collect_input(inputs: InputStream) -> StageInput:
     """
     prompt: str | None = None
     tokens: list[int] = []
-    datas: list[Any] = []  # user payloads: open by nature
+    datas: list[object] = []
     source: str | None = None
     async for chunk in inputs:
         if chunk.prompt is not None:

@@ -33,7 +33,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Final, Generic, Literal, Self, TypeVar, final
+from typing import Final, Generic, Literal, Protocol, Self, TypeVar, final
 
 import anyio
 import anyio.abc
@@ -71,6 +71,12 @@ class BridgeStatistics:
     tasks_waiting_receive: int
 
 
+class _Losable(Protocol):
+    """What the loop watcher needs of an end, whatever its item type."""
+
+    def _mark_lost(self) -> None: ...
+
+
 class _Side:
     """Loop binding and wake-up state of one end (fields guarded by ``_Core.lock``)."""
 
@@ -79,7 +85,7 @@ class _Side:
     def __init__(self, role: str) -> None:
         self.role = role
         # Weak: the core must not keep its ends alive (the loop watcher holds weak refs too).
-        self.end_ref: weakref.ref[_EndBase[Any]] | None = None
+        self.end_ref: weakref.ref[_Losable] | None = None
         self.state: _State = _OPEN
         self.token: trio.lowlevel.TrioToken | None = None
         self.lot = trio.lowlevel.ParkingLot()  # only touched on the loop of ``token``
@@ -194,18 +200,17 @@ def _current_token() -> trio.lowlevel.TrioToken | None:
 
 # One system task per trio loop that uses a bridge: when the loop finishes, every end
 # still open on it is marked lost (weak refs, so ends that were dropped cost nothing).
-# (ends of bridges of every item type: ``Any`` is the honest element type)
-_LOOP_ENDS: trio.lowlevel.RunVar[weakref.WeakSet[_EndBase[Any]]] = trio.lowlevel.RunVar(
+_LOOP_ENDS: trio.lowlevel.RunVar[weakref.WeakSet[_Losable]] = trio.lowlevel.RunVar(
     "omni_trio_bridge_ends"
 )
 
 
-async def _loop_watcher(ends: weakref.WeakSet[_EndBase[Any]]) -> None:
+async def _loop_watcher(ends: weakref.WeakSet[_Losable]) -> None:
     try:
         await trio.sleep_forever()
     finally:
         for end in list(ends):
-            end._core.end(end._side, _LOST)
+            end._mark_lost()
 
 
 def _watch_current_loop(side: _Side) -> None:
@@ -226,6 +231,10 @@ def _watch_current_loop(side: _Side) -> None:
 class _EndBase(Generic[T]):
     _core: _Core[T]
     _side: _Side
+
+    def _mark_lost(self) -> None:
+        """Its loop ended while it was open: break the bridge (the peer is woken)."""
+        self._core.end(self._side, _LOST)
 
     def statistics(self) -> BridgeStatistics:
         """A frozen snapshot of the bridge (see :class:`BridgeStatistics`). Never blocks."""
