@@ -307,12 +307,14 @@ class Orchestrator:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run_backend)
                 try:
+                    first = True
                     async for out in outbox:
-                        await self._route(req, sid, out, feeds)
+                        await self._route(req, sid, out, feeds, first)
+                        first = False
                     if completed and not req.lifecycle.failed:
                         if not req.lifecycle.stage_finished(sid):
                             # the backend ended without a finished output; the caller gets one
-                            await self._route(req, sid, _STOPPED, feeds)
+                            await self._route(req, sid, _STOPPED, feeds, first)
                         for feed in feeds:
                             if feed.finish(sid):
                                 await feed.send_final(feed.final_chunk())
@@ -328,7 +330,7 @@ class Orchestrator:
                 self.observers.emit("stage_finished", rid, sid, status)
 
     async def _route(
-        self, req: _Request, sid: str, out: StageOutput, feeds: list[StageFeed]
+        self, req: _Request, sid: str, out: StageOutput, feeds: list[StageFeed], first: bool
     ) -> None:
         """Deliver one output of stage ``sid``: to the caller (if an output stage) and to the
         downstream feeds. Checkpoints. Raises StageError (contract or processor failures)."""
@@ -357,7 +359,7 @@ class Orchestrator:
         )
         req.produced.append(omni)
         if self.observers:
-            self.observers.emit("stage_output", req.request_id, sid, len(req.produced) == 1)
+            self.observers.emit("stage_output", req.request_id, sid, first)
         if sid in req.plan.outputs:
             try:
                 await req.queue.send(omni)
