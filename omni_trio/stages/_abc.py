@@ -24,8 +24,7 @@ import abc
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -39,6 +38,7 @@ from ..errors import (
     StageStopError,
 )
 from ..outputs import ReplicaState, ReplicaStatistics, StageInput, StageOutput
+from ._requests import RunningRequest, request_outcome
 
 if TYPE_CHECKING:
     from ..config import StageConfig
@@ -50,7 +50,6 @@ __all__ = [
     "StageAborted",
     "StageBackend",
     "collect_input",
-    "request_outcome",
 ]
 
 logger = logging.getLogger(__name__)
@@ -91,38 +90,6 @@ async def collect_input(inputs: InputStream) -> StageInput:
     return StageInput(prompt=prompt, token_ids=tuple(tokens), data=data, final=True, source=source)
 
 
-RequestOutcome = Literal["violation", "dead", "error", "finished", "aborted"]
-
-
-def request_outcome(
-    *, violated: bool, failed: bool, cancelled: bool, finished: bool, dead: bool
-) -> RequestOutcome:
-    """How a request ended on a replica, once its backend call returned or raised. Pure.
-
-    ``violated``: the backend emitted after the finished output (a broken contract, always a
-    failure); ``failed``: the backend raised; ``cancelled``: the request's own scope was
-    cancelled (``abort()`` or replica death); ``finished``: its finished output was delivered;
-    ``dead``: the replica died. A cancellation that lands after the finished output was
-    delivered does not undo it: the request finished.
-    """
-    if violated:
-        return "violation"
-    if failed:
-        return "dead" if dead else "error"
-    if cancelled and not finished:
-        return "dead" if dead else "aborted"
-    return "finished"
-
-
-@dataclass(eq=False)
-class _Running:
-    scope: trio.CancelScope
-    partial: list[StageOutput] = field(default_factory=list)
-    done: trio.Event = field(default_factory=trio.Event)
-    finished: bool = False
-    violation: StageError | None = None
-
-
 def is_cancellation(exc: BaseException) -> bool:
     """Whether ``exc`` is a ``trio.Cancelled``, or a group of nothing else. Pure."""
     if isinstance(exc, BaseExceptionGroup):
@@ -147,7 +114,7 @@ class StageBackend(abc.ABC):
         self.shutdown_timeout: float = (
             DEFAULT_SHUTDOWN_TIMEOUT if own_timeout is None else float(own_timeout)
         )
-        self._running: dict[str, _Running] = {}
+        self._running: dict[str, RunningRequest] = {}
         self._rpcs: set[trio.CancelScope] = set()
         # cancelled by _die: ends _serve_forever so a dead replica is stopped at once
         self._serve_scope = trio.CancelScope()
@@ -336,27 +303,12 @@ class StageBackend(abc.ABC):
                 stage_id=self.stage_id,
                 request_id=request_id,
             )
-        running = _Running(scope=trio.CancelScope())
+        running = RunningRequest(request_id, self.stage_id, self.name)
         self._running[request_id] = running
-
-        async def record(out: StageOutput) -> None:
-            if running.finished:
-                running.violation = StageError(
-                    f"replica {self.name} of stage {self.stage_id!r} broke the backend "
-                    f"contract: it emitted an output for request {request_id!r} after its "
-                    f"finished output",
-                    stage_id=self.stage_id,
-                    request_id=request_id,
-                )
-                raise running.violation
-            running.partial.append(out)
-            await emit(out)
-            running.finished = out.finished
-
         error: Exception | None = None
         try:
             with running.scope:
-                await self._run(request_id, inputs, sampling_params, record)
+                await self._run(request_id, inputs, sampling_params, running.emitter(emit))
         except Exception as exc:
             error = exc
         except BaseException:
@@ -371,7 +323,9 @@ class StageBackend(abc.ABC):
             del self._running[request_id]
         self._end_request(request_id, running, error)
 
-    def _end_request(self, request_id: str, running: _Running, error: Exception | None) -> None:
+    def _end_request(
+        self, request_id: str, running: RunningRequest, error: Exception | None
+    ) -> None:
         outcome = request_outcome(
             violated=running.violation is not None,
             failed=error is not None,

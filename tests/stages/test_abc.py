@@ -9,7 +9,8 @@ import trio.testing
 
 from omni_trio import ReplicaDeadError, StageError, StageRPCError, StageStopError, load_config
 from omni_trio.outputs import StageInput, StageOutput
-from omni_trio.stages._abc import StageAborted, request_outcome
+from omni_trio.stages._abc import StageAborted
+from omni_trio.stages._requests import request_outcome
 from omni_trio.stages.scripted import ScriptedBackend
 
 

@@ -1,0 +1,80 @@
+"""One request running on one replica: its record, the emit contract, and how it ended.
+
+:class:`RunningRequest` is what a replica keeps per request (its cancel scope, partial
+outputs, whether its finished output was delivered) and enforces the backend contract on
+every emit: nothing after the finished output. :func:`request_outcome` decides, purely, how
+the request ended once the backend returned or raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import trio
+
+from ..errors import StageError
+from ..outputs import StageOutput
+
+Emit = Callable[[StageOutput], Awaitable[None]]  # as in the stage contract (_abc)
+
+__all__ = ["RequestOutcome", "RunningRequest", "request_outcome"]
+
+RequestOutcome = Literal["violation", "dead", "error", "finished", "aborted"]
+
+
+def request_outcome(
+    *, violated: bool, failed: bool, cancelled: bool, finished: bool, dead: bool
+) -> RequestOutcome:
+    """How a request ended on a replica, once its backend call returned or raised. Pure.
+
+    ``violated``: the backend emitted after the finished output (a broken contract, always a
+    failure); ``failed``: the backend raised; ``cancelled``: the request's own scope was
+    cancelled (``abort()`` or replica death); ``finished``: its finished output was delivered;
+    ``dead``: the replica died. A cancellation that lands after the finished output was
+    delivered does not undo it: the request finished.
+    """
+    if violated:
+        return "violation"
+    if failed:
+        return "dead" if dead else "error"
+    if cancelled and not finished:
+        return "dead" if dead else "aborted"
+    return "finished"
+
+
+@dataclass(eq=False)
+class RunningRequest:
+    """A request in flight on one replica (``replica`` names it in errors)."""
+
+    request_id: str
+    stage_id: str
+    replica: str
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    partial: list[StageOutput] = field(default_factory=list)
+    done: trio.Event = field(default_factory=trio.Event)
+    finished: bool = False
+    violation: StageError | None = None
+
+    def emitter(self, emit: Emit) -> Emit:
+        """The ``emit`` the backend gets: records each output, then passes it on; an output
+        after the finished one is not passed on but raises (and is kept as ``violation``, so
+        a backend that swallows the error still fails the request)."""
+
+        async def record(out: StageOutput) -> None:
+            if self.finished:
+                self.violation = StageError(
+                    f"replica {self.replica} of stage {self.stage_id!r} broke the backend "
+                    f"contract: it emitted an output for request {self.request_id!r} after "
+                    f"its finished output",
+                    stage_id=self.stage_id,
+                    request_id=self.request_id,
+                )
+                raise self.violation
+            self.partial.append(out)
+            await emit(out)
+            # only once delivered: an emit cancelled midway did not deliver it
+            self.finished = out.finished
+
+        return record
