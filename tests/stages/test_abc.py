@@ -323,3 +323,16 @@ async def test_failing_stop_raises_stage_stop_error(autojump_clock):
         with trio.move_on_after(1):
             await b.serve()
     assert isinstance(info.value.__cause__, OSError)
+
+
+async def test_early_errors_still_checkpoint(autojump_clock):
+    b = backend()  # never started
+    assert b.state == "starting"
+    with trio.testing.assert_checkpoints():
+        with pytest.raises(ReplicaDeadError, match=r"a\[0\] is starting, not ready"):
+            await b.collective_rpc("echo")
+    with trio.testing.assert_checkpoints():
+        with pytest.raises(ReplicaDeadError, match="not ready"):
+            await run(b, "r")
+    with trio.testing.assert_checkpoints():
+        assert await b.abort("r") == []

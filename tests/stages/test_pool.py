@@ -1,6 +1,7 @@
 import pytest
 import trio
 import trio.lowlevel
+import trio.testing
 
 from omni_trio import (
     CollectiveRPCTimeoutError,
@@ -289,3 +290,9 @@ async def test_init_phases_per_replica(autojump_clock):
         nursery.cancel_scope.cancel()
     assert len(phases) == 2
     assert all(p["start"] == 0.0 and p["ready"] >= 0.0 for p in phases)
+
+
+async def test_abort_unknown_request_checkpoints(autojump_clock):
+    pool = StagePool(cfg().stages[0], stage_index=0)
+    with trio.testing.assert_checkpoints():
+        assert await pool.abort("nobody") == []
