@@ -333,7 +333,9 @@ class Orchestrator:
         self, req: _Request, sid: str, out: StageOutput, feeds: list[StageFeed], first: bool
     ) -> None:
         """Deliver one output of stage ``sid``: to the caller (if an output stage) and to the
-        downstream feeds. Checkpoints. Raises StageError (contract or processor failures)."""
+        downstream feeds. Checkpoints only when a channel is full (backpressure); the routing
+        loop that calls it checkpoints per output. Raises StageError (contract or processor
+        failures)."""
         try:
             req.lifecycle.stage_output(sid, out.finished)
         except ContractViolation as exc:
@@ -361,8 +363,13 @@ class Orchestrator:
         if self.observers:
             self.observers.emit("stage_output", req.request_id, sid, first)
         if sid in req.plan.outputs:
+            # the routing loop checkpoints on every output it takes from the outbox: pass
+            # this one on without another trip through the scheduler unless the window is full
             try:
-                await req.queue.send(omni)
+                try:
+                    req.queue.send_nowait(omni)
+                except trio.WouldBlock:
+                    await req.queue.send(omni)
             except trio.BrokenResourceError:
                 # the consumer stopped listening: that is an abort
                 self._request_abort(req)

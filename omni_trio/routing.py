@@ -116,16 +116,19 @@ class StageFeed:
         return self._process({u: collected[u] for u in self._order}, final=True)
 
     async def send(self, source: str, chunk: StageInput) -> None:
-        """Send one chunk downstream. Checkpoints; waits while the downstream input channel is
-        full (backpressure). A downstream stage that stopped reading closes the feed."""
+        """Send one chunk downstream. Checkpoints only when it has to wait: while the
+        downstream input channel is full (backpressure); the routing loop that calls it
+        checkpoints per output. A downstream stage that stopped reading closes the feed."""
         if self._closed:
-            await trio.lowlevel.checkpoint()
             return
         if self._observers:
             nbytes = payload_nbytes(chunk.token_ids, chunk.prompt, chunk.data)
             self._observers.emit("transfer", self.request_id, source, self.stage_id, nbytes)
         try:
-            await self._send.send(chunk)
+            try:
+                self._send.send_nowait(chunk)
+            except trio.WouldBlock:
+                await self._send.send(chunk)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             # The downstream stage no longer reads its input: it finished on what it had,
             # or it ended otherwise (then the request's scope is cancelled, or it failed and
@@ -133,11 +136,10 @@ class StageFeed:
             self._closed = True
 
     async def send_final(self, chunk: StageInput | None) -> None:
-        """Send the last chunk (if any) and close the downstream input. Checkpoints."""
+        """Send the last chunk (if any) and close the downstream input. Checkpoints only when
+        it has to wait (see :meth:`send`)."""
         if chunk is not None:
             await self.send(",".join(self._order), chunk)
-        else:
-            await trio.lowlevel.checkpoint()
         self._closed = True
         self._send.close()
 

@@ -77,6 +77,18 @@ class OutputQueue(Generic[T]):
         if not waited:
             await trio.lowlevel.cancel_shielded_checkpoint()
 
+    def send_nowait(self, item: T) -> None:
+        """Queue ``item`` if the window has room. Synchronous. Raises ``trio.WouldBlock``
+        when it is full, and the errors of :meth:`send`."""
+        if self._receiver_closed:
+            raise trio.BrokenResourceError("the consumer closed its side of the queue")
+        if self._closed:
+            raise trio.ClosedResourceError("the queue's sending side is closed")
+        if len(self._items) >= self._window:
+            raise trio.WouldBlock
+        self._items.append(item)
+        self._data.unpark()
+
     def send_final_nowait(self, item: T) -> None:
         """Queue a final item past the window (never waits). Synchronous. Dropped when the
         receiver is gone (nobody can read it). Raises ``trio.ClosedResourceError`` after
