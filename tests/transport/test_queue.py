@@ -87,3 +87,14 @@ async def test_send_and_receive_always_checkpoint(autojump_clock):
         await q2.send(2)
     assert q2.statistics().items == 0
     assert "items=0/4" in repr(q2)
+
+
+async def test_send_nowait_respects_the_window(autojump_clock):
+    q: OutputQueue[int] = OutputQueue(1)
+    q.send_nowait(1)
+    with pytest.raises(trio.WouldBlock):
+        q.send_nowait(2)
+    assert q.receive_nowait() == 1
+    q.close_receiver()
+    with pytest.raises(trio.BrokenResourceError):
+        q.send_nowait(3)
