@@ -1,4 +1,4 @@
-"""The ``omni-trio`` command: ``demo``, ``run``, ``serve``, ``validate``, ``bench``.
+"""The ``omni-trio`` command: ``demo``, ``run``, ``serve``, ``validate``, ``schema``, ``bench``.
 
 Exit codes: 0 ok, 1 runtime failure, 2 usage or config error. Errors are one line on stderr
 (``omni-trio: error: ...``); ``--debug`` shows the traceback instead. CONFIG is a pipeline
@@ -8,6 +8,7 @@ file (YAML/TOML/JSON) or the name of a shipped pipeline (``tiny-omni``).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -121,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
         "file and JSON path.",
     )
     validate.add_argument("config", metavar="CONFIG")
+
+    sub.add_parser(
+        "schema",
+        parents=[common],
+        help="print the pipeline config's JSON Schema",
+        description="Print the JSON Schema of pipeline config files (for editors that check "
+        "YAML/JSON as it is typed).",
+    )
 
     bench = sub.add_parser(
         "bench",
@@ -245,12 +254,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """Everything knowable without starting an engine (see omni_trio.config); a failure is
+    a ConfigError: one line naming the file and JSON path, exit 2 (see main)."""
     config = _load(args.config)
     chain = ", ".join(
         f"{st.id}({st.backend}{' <- ' + '+'.join(st.inputs) if st.inputs else ''})"
         for st in config.stages
     )
     print(f"OK: {config.source}: pipeline {config.name!r}, {len(config.stages)} stages: {chain}")
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from .config import config_schema
+
+    print(json.dumps(config_schema(), indent=2))
     return 0
 
 
@@ -298,6 +316,7 @@ COMMANDS = {
     "run": cmd_run,
     "serve": cmd_serve,
     "validate": cmd_validate,
+    "schema": cmd_schema,
     "bench": cmd_bench,
 }
 

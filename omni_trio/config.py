@@ -1,109 +1,186 @@
 """Pipeline configuration: ``PipelineConfig`` / ``StageConfig``, loading, validation, overrides.
 
-A config comes from a YAML, TOML or JSON file, a dict, or is built directly. Unknown keys
-are rejected. Every error is a :class:`~omni_trio.errors.ConfigError` naming the file and the
-JSON path of the offending value, e.g. ``tiny.yaml: $.stages[1].inputs: unknown stage 'x'``.
+A config comes from a YAML, TOML or JSON file, a dict, or is built directly. Loading checks
+everything that can be known without starting an engine: unknown keys, types and ranges,
+the stage graph, every backend's ``options`` (:mod:`omni_trio.stages.options`), the dotted
+paths it names (imported), torch weights files, and vllm ``engine_args`` and
+``default_sampling_params`` when vllm is installed. Every error is a
+:class:`~omni_trio.errors.ConfigError` naming the file and the JSON path of the offending
+value, e.g. ``tiny.yaml: $.stages[1].inputs[0]: unknown input stage 'x'``.
+
+A loaded :class:`PipelineConfig` is treated as immutable: its graph (index maps, topological
+order) is computed once and cached on it. To change one, ``load_config(cfg, **overrides)``
+returns a new one. :func:`config_schema` is the JSON Schema of the file format.
 """
 
 from __future__ import annotations
 
-import json
+import heapq
 import os
-import re
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
-import yaml
+from msgspec import Meta
 
+from ._config_read import check_tree, explain_validation_error, read_config_file
+from ._dotted import DOTTED_PATTERN, is_dotted
 from .errors import ConfigError
 
 __all__ = [
     "BUILTIN_BACKENDS",
+    "MAX_REPLICAS",
     "OUTPUT_TYPES",
     "PipelineConfig",
     "StageConfig",
+    "config_schema",
     "load_config",
+    "topological_order",
 ]
 
 OUTPUT_TYPES = ("text", "tokens", "audio", "image", "tensor")
 BUILTIN_BACKENDS = ("scripted", "vllm", "torch")
 OutputType = Literal["text", "tokens", "audio", "image", "tensor"]
+#: most replicas one stage may have (a guard against typos that would start thousands of
+#: engines; run more than this as separate pipelines)
+MAX_REPLICAS = 256
+#: bound on max_requests_in_flight and output_buffer (memory is reserved per slot)
+MAX_SLOTS = 1_000_000
 
+_BOUND_HINTS = {
+    "replicas": f" (a stage has 1 to MAX_REPLICAS = {MAX_REPLICAS} replicas; run more as "
+    "separate pipelines)",
+    "max_requests_in_flight": f" (1 to {MAX_SLOTS:,})",
+    "output_buffer": f" (1 to {MAX_SLOTS:,})",
+}
 # Keys of vLLM-Omni's config layout that have a different home here.
 _LEGACY_KEYS = {
     "stage_configs_path": "pass the pipeline file itself as `config` (open_engine(path) or "
     "`omni-trio run PATH`); stages are listed under `stages:`",
     "stage_configs": "list the stages under `stages:` in the pipeline config",
 }
-_BACKEND_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_TIMEOUT = Annotated[float, Meta(gt=0)]
+
+
+def _doc(text: str, **extra: Any) -> Meta:
+    return Meta(description=text, **extra)
 
 
 class StageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One stage of a pipeline. Its position in ``PipelineConfig.stages`` is its index."""
 
-    id: str
-    backend: str = "scripted"
-    engine_args: dict[str, Any] = {}
-    options: dict[str, Any] = {}
-    inputs: list[str] = []
-    input_processor: str | None = None
-    processor_options: dict[str, Any] = {}
-    stream_input: bool = False
-    final_output: bool = False
-    output_type: OutputType = "text"
-    default_sampling_params: dict[str, Any] = {}
-    replicas: int = 1
-    stage_init_timeout: float | None = None
+    id: Annotated[str, _doc("the stage's name, unique in the pipeline", min_length=1)]
+    backend: Annotated[
+        str,
+        _doc(
+            "scripted | vllm | torch | 'package.module:Factory' (a user backend)",
+            extra_json_schema={
+                "anyOf": [{"enum": list(BUILTIN_BACKENDS)}, {"pattern": DOTTED_PATTERN}]
+            },
+        ),
+    ] = "scripted"
+    engine_args: Annotated[dict[str, Any], _doc("vllm stages: vllm AsyncEngineArgs fields")] = {}
+    options: Annotated[
+        dict[str, Any],
+        _doc(
+            "backend options, checked at load against the backend's options "
+            "(ScriptedOptions, TorchOptions, VllmOptions, or a user backend's Options)"
+        ),
+    ] = {}
+    inputs: Annotated[list[str], _doc("upstream stage ids; the entry stage has none")] = []
+    input_processor: Annotated[
+        str | None,
+        _doc(
+            "'package.module:function' turning upstream outputs into this stage's input "
+            "(default: hand the upstream token ids on)",
+            extra_json_schema={"pattern": DOTTED_PATTERN},
+        ),
+    ] = None
+    processor_options: Annotated[dict[str, Any], _doc("options passed to the input processor")] = {}
+    stream_input: Annotated[
+        bool, _doc("start on streamed partial upstream output instead of waiting for it")
+    ] = False
+    final_output: Annotated[bool, _doc("its outputs go to callers by default")] = False
+    output_type: Annotated[OutputType, _doc("what the stage produces")] = "text"
+    default_sampling_params: Annotated[
+        dict[str, Any],
+        _doc("sampling params merged under each request's (vllm: SamplingParams fields)"),
+    ] = {}
+    replicas: Annotated[
+        int, _doc(f"engine replicas of this stage, 1..{MAX_REPLICAS}", ge=1, le=MAX_REPLICAS)
+    ] = 1
+    stage_init_timeout: Annotated[
+        _TIMEOUT | None,
+        _doc("seconds this stage may take to start (default: the pipeline's)"),
+    ] = None
+    shutdown_timeout: Annotated[
+        _TIMEOUT | None,
+        _doc("seconds each replica may take to stop (default: the pipeline's)"),
+    ] = None
 
 
-class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A whole pipeline plus the engine-level settings of a session.
+class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True):
+    """A whole pipeline plus the engine-level settings of a session."""
 
-    ``stage_init_timeout`` bounds each stage's start (a stage may set its own),
-    ``init_timeout`` the whole start, ``shutdown_timeout`` each stage's stop.
-    ``max_requests_in_flight`` is the admission limit; ``output_buffer`` the size of every
-    per-request channel (callers that do not read exert backpressure up to the stages).
-    """
-
-    stages: list[StageConfig]
-    name: str = "pipeline"
-    stage_init_timeout: float = 600.0
-    init_timeout: float | None = None
-    shutdown_timeout: float = 30.0
-    max_requests_in_flight: int = 4096
-    output_buffer: int = 64
+    stages: Annotated[
+        list[StageConfig],
+        _doc("the stages; a stage's position is its index", extra_json_schema={"minItems": 1}),
+    ]
+    name: Annotated[str, _doc("the pipeline's name (the served model name)")] = "pipeline"
+    stage_init_timeout: Annotated[
+        _TIMEOUT, _doc("seconds each stage may take to start (a stage may set its own)")
+    ] = 600.0
+    init_timeout: Annotated[
+        _TIMEOUT | None, _doc("seconds the whole start may take (default: no bound)")
+    ] = None
+    shutdown_timeout: Annotated[
+        _TIMEOUT, _doc("seconds each replica may take to stop (a stage may set its own)")
+    ] = 30.0
+    max_requests_in_flight: Annotated[
+        int, _doc("admission limit: requests running at once", ge=1, le=MAX_SLOTS)
+    ] = 4096
+    output_buffer: Annotated[
+        int,
+        _doc(
+            "size of every per-request output channel (readers that lag exert backpressure)",
+            ge=1,
+            le=MAX_SLOTS,
+        ),
+    ] = 64
     source: str | None = None
 
-    # -- graph helpers -------------------------------------------------------------------
+    # -- graph helpers (O(1) or linear; computed once, see the module docstring) ---------
+    def _graph(self) -> _Graph:
+        key = (id(self.stages), len(self.stages))
+        graph: _Graph | None = self.__dict__.get("_graph_cache")
+        if graph is None or graph.key != key:
+            graph = _Graph(self, key)
+            self.__dict__["_graph_cache"] = graph
+        return graph
+
     @property
     def stage_ids(self) -> list[str]:
-        return [s.id for s in self.stages]
+        return list(self._graph().ids)
 
     def stage(self, stage_id: str) -> StageConfig:
-        for s in self.stages:
-            if s.id == stage_id:
-                return s
-        raise KeyError(stage_id)
+        """The stage named ``stage_id``. O(1). Raises KeyError."""
+        return self.stages[self._graph().index[stage_id]]
 
     def index_of(self, stage_id: str) -> int:
-        return self.stage_ids.index(stage_id)
+        """The index of the stage named ``stage_id``. O(1). Raises ValueError."""
+        try:
+            return self._graph().index[stage_id]
+        except KeyError:
+            raise ValueError(f"{stage_id!r} is not a stage of the pipeline") from None
 
     def downstream(self, stage_id: str) -> list[str]:
-        return [s.id for s in self.stages if stage_id in s.inputs]
+        """Stages that list ``stage_id`` as an input, in config order."""
+        return list(self._graph().downstream[stage_id])
 
     def ancestors(self, stage_id: str) -> set[str]:
         """Stage ids that ``stage_id`` depends on, transitively (not including itself)."""
-        seen: set[str] = set()
-        todo = list(self.stage(stage_id).inputs)
-        while todo:
-            sid = todo.pop()
-            if sid not in seen:
-                seen.add(sid)
-                todo.extend(self.stage(sid).inputs)
-        return seen
+        return set(self._graph().ancestors(stage_id))
 
     @property
     def entry_stages(self) -> list[str]:
@@ -114,41 +191,94 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return [s.id for s in self.stages if s.final_output]
 
 
-# -- loading ------------------------------------------------------------------------------
+def _some(ids: list[str]) -> str:
+    more = f" ... ({len(ids)} in all)" if len(ids) > 10 else ""
+    return f"stages are {ids[:10]}{more}"
 
 
-def _read_file(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file: {exc.strerror}", source=str(path)) from exc
-    suffix = path.suffix.lower()
-    try:
-        if suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
-        elif suffix == ".toml":
-            data = tomllib.loads(text)
-        elif suffix == ".json":
-            data = json.loads(text)
-        else:
+class _Graph:
+    """The stage graph of one config: index maps, downstream lists, topological order.
+
+    Built in O(n log n) without recursion; raises ConfigError for an unknown input or a cycle.
+    """
+
+    def __init__(self, cfg: PipelineConfig, key: tuple[int, int]) -> None:
+        self.key = key
+        self.ids = [s.id for s in cfg.stages]
+        self.index = {sid: i for i, sid in enumerate(self.ids)}
+        self.downstream: dict[str, list[str]] = {sid: [] for sid in self.ids}
+        self._ancestors: dict[str, frozenset[str]] = {}
+        self._inputs = [s.inputs for s in cfg.stages]
+        waiting = [0] * len(self.ids)
+        for i, st in enumerate(cfg.stages):
+            for j, up in enumerate(st.inputs):
+                if up not in self.index:
+                    raise ConfigError(
+                        f"unknown input stage {up!r}; {_some(self.ids)}",
+                        path=f"$.stages[{i}].inputs[{j}]",
+                        source=cfg.source,
+                    )
+                self.downstream[up].append(st.id)
+            waiting[i] = len(set(st.inputs))
+        # Kahn's algorithm; the heap keeps ties in config order
+        ready = [i for i, n in enumerate(waiting) if n == 0]
+        heapq.heapify(ready)
+        order: list[str] = []
+        while ready:
+            i = heapq.heappop(ready)
+            order.append(self.ids[i])
+            for down in self.downstream[self.ids[i]]:
+                d = self.index[down]
+                waiting[d] -= 1
+                if waiting[d] == 0:
+                    heapq.heappush(ready, d)
+        if len(order) < len(self.ids):
+            cycle = self._cycle(waiting)
             raise ConfigError(
-                f"unsupported config file type {suffix!r}; use .yaml, .yml, .toml or .json",
-                source=str(path),
+                f"the stage graph has a cycle: {' -> '.join(cycle)}",
+                path=f"$.stages[{self.index[cycle[0]]}].inputs",
+                source=cfg.source,
             )
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot parse file: {exc}", source=str(path)) from exc
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"the top level must be a mapping, got {type(data).__name__}", source=str(path)
-        )
-    return data
+        self.order = order
+
+    def _cycle(self, waiting: list[int]) -> list[str]:
+        # every stage Kahn's algorithm left has an input that was left too: follow those
+        at = next(i for i, n in enumerate(waiting) if n > 0)
+        path: list[int] = []
+        pos: dict[int, int] = {}
+        while at not in pos:
+            pos[at] = len(path)
+            path.append(at)
+            at = next(self.index[u] for u in self._inputs[at] if waiting[self.index[u]] > 0)
+        return [self.ids[i] for i in path[pos[at] :]] + [self.ids[at]]
+
+    def ancestors(self, stage_id: str) -> frozenset[str]:
+        found = self._ancestors.get(stage_id)
+        if found is None:
+            seen: set[str] = set()
+            todo = list(self._inputs[self.index[stage_id]])
+            while todo:
+                sid = todo.pop()
+                if sid not in seen:
+                    seen.add(sid)
+                    todo.extend(self._inputs[self.index[sid]])
+            found = self._ancestors[stage_id] = frozenset(seen)
+        return found
+
+
+def topological_order(cfg: PipelineConfig) -> list[str]:
+    """Stage ids, every stage after all of its inputs; ties keep config order. Cached."""
+    return list(cfg._graph().order)
+
+
+# -- loading ------------------------------------------------------------------------------
 
 
 def _parse_overrides(value: Any, source: str) -> dict[str, dict[str, Any]]:
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
+            value = msgspec.json.decode(value)
+        except msgspec.DecodeError as exc:
             raise ConfigError(
                 f"stage_overrides must be JSON (an object keyed by stage id): {exc}",
                 path="$.stage_overrides",
@@ -173,12 +303,12 @@ def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any
     return out
 
 
-def _msgspec_path(message: str) -> tuple[str, str]:
-    """Split a msgspec validation message into (reason, path)."""
-    m = re.search(r" - at `(\$[^`]*)`$", message)
-    if m:
-        return message[: m.start()], m.group(1)
-    return message, "$"
+def _as_data(cfg: PipelineConfig) -> dict[str, Any]:
+    # not msgspec.to_builtins: a config built in Python may hold callables (a torch factory)
+    data = msgspec.structs.asdict(cfg)
+    data["stages"] = [msgspec.structs.asdict(s) for s in cfg.stages]
+    data.pop("source", None)
+    return data
 
 
 def load_config(
@@ -190,24 +320,32 @@ def load_config(
     ``config`` is a :class:`PipelineConfig`, a mapping, or a path to a ``.yaml``/``.toml``/
     ``.json`` file. ``overrides`` replace top-level keys; ``stage_overrides`` (a mapping or a
     JSON string ``{"talker": {"replicas": 2}}``) is deep-merged into the named stages.
-    Does not checkpoint. Raises :class:`ConfigError` naming the source and path.
+    Blocking, does not checkpoint: it reads the file and imports the modules the config
+    names (vllm too, for a vllm stage, when installed: several seconds the first time).
+    Raises :class:`ConfigError` naming the source and path.
     """
     source = "<dict>"
+    raw: Any
     if isinstance(config, PipelineConfig):
         source = config.source or "<config>"
-        data: dict[str, Any] = msgspec.to_builtins(config)
-        data.pop("source", None)
+        raw = _as_data(config)
     elif isinstance(config, Mapping):
-        data = dict(config)
+        raw = config
     elif isinstance(config, (str, os.PathLike)):
         path = Path(config)
         source = str(path)
-        data = _read_file(path)
+        raw = read_config_file(path)
     else:
         raise ConfigError(
             f"config must be a PipelineConfig, a mapping or a file path, "
             f"not {type(config).__name__}"
         )
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"the top level must be a mapping, got {type(raw).__name__}", source=source
+        )
+    check_tree(raw, source)
+    data = dict(raw)
     for key, instead in _LEGACY_KEYS.items():
         if key in data or key in overrides:
             raise ConfigError(
@@ -216,9 +354,11 @@ def load_config(
                 source=source,
             )
     stage_overrides = overrides.pop("stage_overrides", None)
+    check_tree(overrides, source)
     data.update(overrides)
     if stage_overrides is not None:
         parsed = _parse_overrides(stage_overrides, source)
+        check_tree({"stage_overrides": parsed}, source)
         stages = data.get("stages")
         if not isinstance(stages, list):
             raise ConfigError("stages must be a list", path="$.stages", source=source)
@@ -239,15 +379,19 @@ def load_config(
     try:
         cfg = msgspec.convert(data, PipelineConfig)
     except msgspec.ValidationError as exc:
-        reason, where = _msgspec_path(str(exc))
-        raise ConfigError(reason, path=where, source=source) from None
+        reason, where = explain_validation_error(exc, data)
+        hint = _BOUND_HINTS.get(where.rpartition(".")[2], "")
+        raise ConfigError(reason + hint, path=where, source=source) from None
     cfg.source = source
     validate(cfg)
     return cfg
 
 
 def validate(cfg: PipelineConfig) -> None:
-    """Check the stage graph and values; raises :class:`ConfigError` at the first problem."""
+    """Check the stage graph and every stage (see the module docstring). Blocking (imports
+    the modules the config names). Raises :class:`ConfigError` at the first problem."""
+    from .stages.options import check_stage
+
     src = cfg.source
     if not cfg.stages:
         raise ConfigError("a pipeline needs at least one stage", path="$.stages", source=src)
@@ -263,103 +407,70 @@ def validate(cfg: PipelineConfig) -> None:
                 source=src,
             )
         seen[st.id] = i
-        if st.backend not in BUILTIN_BACKENDS and not _BACKEND_RE.match(st.backend):
+        if st.backend not in BUILTIN_BACKENDS and not is_dotted(st.backend):
             raise ConfigError(
                 f"unknown backend {st.backend!r}; use one of {', '.join(BUILTIN_BACKENDS)} "
                 f"or a 'package.module:Factory' path",
                 path=f"{where}.backend",
                 source=src,
             )
-        if st.replicas < 1:
-            raise ConfigError(
-                f"replicas must be >= 1, got {st.replicas}", path=f"{where}.replicas", source=src
-            )
-        if st.stage_init_timeout is not None and st.stage_init_timeout <= 0:
-            raise ConfigError(
-                "stage_init_timeout must be > 0", path=f"{where}.stage_init_timeout", source=src
-            )
+        for j, up in enumerate(st.inputs):
+            if up == st.id:
+                raise ConfigError(
+                    f"stage {st.id!r} lists itself as an input",
+                    path=f"{where}.inputs[{j}]",
+                    source=src,
+                )
+        if len(set(st.inputs)) != len(st.inputs):
+            raise ConfigError("an input stage is listed twice", path=f"{where}.inputs", source=src)
     for i, st in enumerate(cfg.stages):
         for j, up in enumerate(st.inputs):
             if up not in seen:
                 raise ConfigError(
-                    f"unknown input stage {up!r}; stages are {list(seen)}",
+                    f"unknown input stage {up!r}; {_some(list(seen))}",
                     path=f"$.stages[{i}].inputs[{j}]",
                     source=src,
                 )
-            if up == st.id:
-                raise ConfigError(
-                    f"stage {st.id!r} lists itself as an input",
-                    path=f"$.stages[{i}].inputs[{j}]",
-                    source=src,
-                )
-        if len(set(st.inputs)) != len(st.inputs):
-            raise ConfigError(
-                "an input stage is listed twice", path=f"$.stages[{i}].inputs", source=src
-            )
     if not cfg.entry_stages:
         raise ConfigError(
             "no entry stage: every stage has inputs, so no stage can take the prompt",
             path="$.stages",
             source=src,
         )
-    cycle = _find_cycle(cfg)
-    if cycle:
-        i = seen[cycle[0]]
-        raise ConfigError(
-            f"the stage graph has a cycle: {' -> '.join(cycle)}",
-            path=f"$.stages[{i}].inputs",
-            source=src,
-        )
+    cfg.__dict__.pop("_graph_cache", None)
+    cfg._graph()  # unknown inputs, cycles
     if not cfg.final_output_stages:
         raise ConfigError(
             "no stage has final_output: true, so callers would receive nothing",
             path="$.stages",
             source=src,
         )
-    for key in ("stage_init_timeout", "shutdown_timeout"):
-        if getattr(cfg, key) <= 0:
-            raise ConfigError(f"{key} must be > 0", path=f"$.{key}", source=src)
-    if cfg.init_timeout is not None and cfg.init_timeout <= 0:
-        raise ConfigError("init_timeout must be > 0", path="$.init_timeout", source=src)
-    for key in ("max_requests_in_flight", "output_buffer"):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"{key} must be >= 1", path=f"$.{key}", source=src)
+    for i, st in enumerate(cfg.stages):
+        check_stage(st, i, src)
 
 
-def _find_cycle(cfg: PipelineConfig) -> list[str] | None:
-    state: dict[str, int] = {}  # 1 = on the DFS stack, 2 = done
-    stack: list[str] = []
+def config_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of a pipeline config file, options of the built-in
+    backends included (chosen by each stage's ``backend``). Pure."""
+    from .stages.options import BUILTIN_OPTIONS
 
-    def visit(sid: str) -> list[str] | None:
-        state[sid] = 1
-        stack.append(sid)
-        for up in cfg.stage(sid).inputs:
-            if state.get(up) == 1:
-                return [*stack[stack.index(up) :], up]
-            if up not in state:
-                found = visit(up)
-                if found:
-                    return found
-        stack.pop()
-        state[sid] = 2
-        return None
-
-    for sid in cfg.stage_ids:
-        if sid not in state:
-            found = visit(sid)
-            if found:
-                return found
-    return None
-
-
-def topological_order(cfg: PipelineConfig) -> list[str]:
-    """Stage ids, every stage after all of its inputs; ties keep config order."""
-    done: list[str] = []
-    remaining = list(cfg.stage_ids)
-    while remaining:
-        for sid in remaining:
-            if all(up in done for up in cfg.stage(sid).inputs):
-                done.append(sid)
-                remaining.remove(sid)
-                break
-    return done
+    types: list[Any] = [PipelineConfig, *BUILTIN_OPTIONS.values()]
+    _, defs = msgspec.json.schema_components(types, ref_template="#/$defs/{name}")
+    pipeline = defs["PipelineConfig"]
+    pipeline["properties"].pop("source", None)
+    stage = defs["StageConfig"]
+    rules = []
+    for backend, options_type in BUILTIN_OPTIONS.items():
+        # no `required` for the default backend: a stage without `backend:` is scripted
+        cond: dict[str, Any] = {"properties": {"backend": {"const": backend}}}
+        if backend != "scripted":
+            cond["required"] = ["backend"]
+        ref = {"$ref": f"#/$defs/{options_type.__name__}"}
+        rules.append({"if": cond, "then": {"properties": {"options": ref}}})
+    stage["allOf"] = rules
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "omni-trio pipeline config",
+        "$ref": "#/$defs/PipelineConfig",
+        "$defs": defs,
+    }

@@ -1,8 +1,10 @@
 import json
+from pathlib import Path
 
 import pytest
 
-from omni_trio import ConfigError, PipelineConfig, load_config
+import omni_trio.pipelines
+from omni_trio import ConfigError, PipelineConfig, StageConfig, load_config
 from omni_trio.config import topological_order
 
 
@@ -105,7 +107,9 @@ def test_duplicate_ids():
 def test_bad_values_named():
     data = linear("a")
     data["stages"][0]["replicas"] = 0
-    with pytest.raises(ConfigError, match=r"\$\.stages\[0\]\.replicas: replicas must be >= 1"):
+    with pytest.raises(
+        ConfigError, match=r"\$\.stages\[0\]\.replicas: Expected `int` >= 1, got int 0"
+    ):
         load_config(data)
     data = linear("a")
     data["stages"][0]["output_type"] = "video"
@@ -137,7 +141,7 @@ def test_top_level_overrides():
     cfg = load_config(linear("a"), stage_init_timeout=5, max_requests_in_flight=3)
     assert cfg.stage_init_timeout == 5
     assert cfg.max_requests_in_flight == 3
-    with pytest.raises(ConfigError, match="max_requests_in_flight must be >= 1"):
+    with pytest.raises(ConfigError, match=r"\$\.max_requests_in_flight: Expected `int` >= 1"):
         load_config(linear("a"), max_requests_in_flight=0)
 
 
@@ -186,3 +190,354 @@ def test_topological_order_with_fan_in():
     order = topological_order(cfg)
     assert order.index("a") < order.index("b") < order.index("d")
     assert order.index("c") < order.index("d")
+
+
+# -- every failure class, from a real file: ConfigError naming the file and the exact path --
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+def one_stage_yaml(extra=""):
+    return "name: t\nstages:\n  - id: a\n    final_output: true\n" + extra
+
+
+def config_error(path, where):
+    """Load ``path``; assert a ConfigError naming the file and exactly ``where``."""
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.source == str(path)
+    assert info.value.path == where
+    assert str(info.value).startswith(f"{path}: {where}: ")
+    return str(info.value)
+
+
+def stage_error(tmp_path, lines, where):
+    """Write a one-stage YAML file with ``lines`` added to the stage; return its error."""
+    path = write(tmp_path, f"stage{len(list(tmp_path.iterdir()))}.yaml", one_stage_yaml(lines))
+    return config_error(path, where)
+
+
+def test_unknown_and_ill_typed_options(tmp_path):
+    msg = stage_error(tmp_path, "    options: {outptus: 3}\n", "$.stages[0].options.outptus")
+    assert "unknown scripted option 'outptus'" in msg and "outputs" in msg
+    msg = stage_error(tmp_path, "    options: {outputs: '3'}\n", "$.stages[0].options.outputs")
+    assert "Expected `int`, got str '3'" in msg
+    msg = stage_error(tmp_path, "    options: {latency_s: -1}\n", "$.stages[0].options.latency_s")
+    assert ">= 0.0" in msg
+
+
+def test_shutdown_timeout_is_a_stage_key(tmp_path):
+    where = "$.stages[0].options.shutdown_timeout"
+    assert "stage key" in stage_error(tmp_path, "    options: {shutdown_timeout: 5}\n", where)
+    cfg = load_config(write(tmp_path, "ok.yaml", one_stage_yaml("    shutdown_timeout: 5\n")))
+    assert cfg.stages[0].shutdown_timeout == 5.0
+    assert load_config(linear("a")).stages[0].shutdown_timeout is None
+    msg = stage_error(tmp_path, "    shutdown_timeout: 0\n", "$.stages[0].shutdown_timeout")
+    assert "> 0.0" in msg
+
+
+@pytest.mark.parametrize(
+    ("lines", "where", "expected"),
+    [
+        (
+            "backend: 'no_such_mod_xyz:F'",
+            "backend",
+            "cannot import backend module 'no_such_mod_xyz'",
+        ),
+        ("backend: 'json:no_such'", "backend", "has no 'no_such'"),
+        ("backend: 'json.decoder:NaN'", "backend", "no callable 'NaN'"),
+        ("input_processor: 'json:nope'", "input_processor", "input_processor 'json:nope'"),
+        ("input_processor: '.local:f'", "input_processor", "relative module paths are not allowed"),
+        ("input_processor: 'a b:f'", "input_processor", "must be 'package.module:function'"),
+        (
+            "backend: torch\n    options: {factory: 'no_such_mod_xyz:build'}",
+            "options.factory",
+            "cannot import torch factory module",
+        ),
+        ("backend: torch\n    options: {max_batch_size: 0}", "options.max_batch_size", ">= 1"),
+    ],
+)
+def test_dotted_paths_and_torch_options_checked_at_load(tmp_path, lines, where, expected):
+    assert expected in stage_error(tmp_path, f"    {lines}\n", f"$.stages[0].{where}")
+
+
+def test_torch_weights_file_must_exist(tmp_path):
+    missing = tmp_path / "nowhere" / "w.pt"
+    lines = f"    backend: torch\n    options: {{weights: '{missing}'}}\n"
+    assert "does not exist" in stage_error(tmp_path, lines, "$.stages[0].options.weights")
+
+
+@pytest.mark.parametrize(
+    ("lines", "where", "expected"),
+    [
+        (
+            "engine_args: {max_modle_len: 9}",
+            "engine_args.max_modle_len",
+            "did you mean 'max_model_len'",
+        ),
+        ("engine_args: {max_model_len: lots}", "engine_args.max_model_len", "got str 'lots'"),
+        ("engine_args: {enforce_eager: 'yes'}", "engine_args.enforce_eager", "Expected `bool"),
+        (
+            "default_sampling_params: {max_tokens: lots}",
+            "default_sampling_params.max_tokens",
+            "got str 'lots'",
+        ),
+        (
+            "default_sampling_params: {temprature: 0}",
+            "default_sampling_params.temprature",
+            "not a vllm SamplingParams field; did you mean 'temperature'",
+        ),
+        (
+            "default_sampling_params: {temperature: -1.0}",
+            "default_sampling_params.temperature",
+            "non-negative",
+        ),
+        ("options: {output_buffer: 0}", "options.output_buffer", ">= 1"),
+        ("options: {cpu_bnd: '0'}", "options.cpu_bnd", "unknown vllm option 'cpu_bnd'"),
+    ],
+)
+def test_vllm_stage_checked_at_load(tmp_path, lines, where, expected):
+    if not lines.startswith("options"):
+        pytest.importorskip("vllm")  # engine_args / sampling params: checked when installed
+    msg = stage_error(tmp_path, f"    backend: vllm\n    {lines}\n", f"$.stages[0].{where}")
+    assert expected in msg
+
+
+def test_shipped_vllm_pipeline_passes_the_vllm_checks():
+    pytest.importorskip("vllm")
+    cfg = load_config(Path(omni_trio.pipelines.__file__).parent / "tiny-omni.yaml")
+    assert cfg.stage("thinker").engine_args["max_model_len"] == 256
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "where"),
+    [
+        (
+            "nan.yaml",
+            one_stage_yaml("    stage_init_timeout: .nan\n"),
+            "$.stages[0].stage_init_timeout",
+        ),
+        (
+            "inf.toml",
+            'shutdown_timeout = inf\n[[stages]]\nid = "a"\nfinal_output = true\n',
+            "$.shutdown_timeout",
+        ),
+        (
+            "inf.json",
+            '{"stages": [{"id": "a", "final_output": true}], "init_timeout": Infinity}',
+            "$.init_timeout",
+        ),
+        (
+            "opt.yaml",
+            one_stage_yaml("    options: {latency_s: .inf}\n"),
+            "$.stages[0].options.latency_s",
+        ),
+    ],
+)
+def test_non_finite_numbers_rejected(tmp_path, name, text, where):
+    assert "numbers must be finite" in config_error(write(tmp_path, name, text), where)
+
+
+def test_replicas_upper_bound(tmp_path):
+    bad = write(tmp_path, "r.yaml", one_stage_yaml("    replicas: 1000000000\n"))
+    msg = config_error(bad, "$.stages[0].replicas")
+    assert "<= 256" in msg and "MAX_REPLICAS = 256" in msg
+    assert (
+        load_config(linear("a"), stage_overrides={"a": {"replicas": 256}}).stages[0].replicas == 256
+    )
+
+
+def test_non_utf8_file(tmp_path):
+    bad = write(tmp_path, "latin1.yaml", "name: caf\u00e9\nstages: []\n".encode("latin-1"))
+    msg = config_error(bad, "$")
+    assert "not UTF-8" in msg and "line 1, column 10" in msg
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("deep.yaml", "a: " + "[" * 100_000 + "]" * 100_000 + "\n"),
+        ("deep.json", '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+        ("deep.toml", "a = " + "[" * 100_000 + "]" * 100_000 + "\n"),
+        ("deep70.yaml", "a: " + "[" * 70 + "]" * 70 + "\n"),
+        ("deep70.json", '{"a": ' + "[" * 70 + "]" * 70 + "}"),
+    ],
+)
+def test_deep_nesting_is_a_config_error(tmp_path, name, text):
+    path = write(tmp_path, name, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.source == str(path)
+    assert "nested" in str(info.value) or "nesting" in str(info.value)
+
+
+def test_duplicate_keys(tmp_path):
+    bad = write(tmp_path, "dup.yaml", one_stage_yaml("    replicas: 1\n    replicas: 2\n"))
+    assert "duplicate key 'replicas' (line 6, column 5)" in config_error(
+        bad, "$.stages[0].replicas"
+    )
+    bad = write(tmp_path, "dup.json", '{"name": "a", "name": "b", "stages": []}')
+    assert "duplicate key 'name'" in config_error(bad, "$.name")
+    # a YAML merge key is not a duplicate: the explicit key overrides the merged one
+    ok = write(
+        tmp_path,
+        "merge.yaml",
+        "base: &b {id: a, final_output: false}\nstages:\n  - <<: *b\n    final_output: true\n",
+    )
+    with pytest.raises(ConfigError, match=r"\$\.base: Object contains unknown field"):  # not a dup
+        load_config(ok)
+
+
+def test_yaml_alias_bomb_and_recursive_alias(tmp_path):
+    lines = ['a: &a ["x","x","x","x","x","x","x","x","x"]']
+    for prev, name in zip("abcdefgh", "bcdefghi", strict=True):
+        lines.append(f"{name}: &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    lines.append("stages: [*i]")
+    bomb = write(tmp_path, "bomb.yaml", "\n".join(lines) + "\n")
+    with pytest.raises(
+        ConfigError, match=r"bomb\.yaml: \$\.\w.*: expands to more than .*\(line \d+, column \d+\)"
+    ):
+        load_config(bomb)
+    loop = write(tmp_path, "loop.yaml", "a: &a [*a]\nstages: []\n")
+    assert "refers to a node that contains it" in config_error(loop, "$.a[0]")
+
+
+def test_20000_stage_chain_listed_downstream_first(tmp_path):
+    n = 20_000
+    stages = [
+        {"id": f"s{i}", "inputs": [f"s{i - 1}"] if i else [], "final_output": i == n - 1}
+        for i in reversed(range(n))
+    ]
+    path = write(tmp_path, "chain.json", json.dumps({"name": "chain", "stages": stages}))
+    cfg = load_config(path)
+    order = topological_order(cfg)
+    assert order[0] == "s0" and order[-1] == f"s{n - 1}" and len(order) == n
+    assert cfg.index_of("s0") == n - 1 and cfg.stage("s5").inputs == ["s4"]
+    assert len(cfg.ancestors(f"s{n - 1}")) == n - 1
+    assert cfg.downstream("s0") == ["s1"] and cfg.entry_stages == ["s0"]
+    # a cycle far down the chain is still found, without recursion
+    stages[-1]["inputs"] = [f"s{n - 1}"]
+    with pytest.raises(ConfigError, match="no entry stage"):
+        load_config({"stages": stages})
+
+
+def test_long_cycle_is_reported_without_recursion():
+    n = 5_000
+    stages = [stage("entry", final_output=True)]
+    stages += [stage(f"c{i}", inputs=[f"c{(i + 1) % n}"]) for i in range(n)]
+    with pytest.raises(ConfigError) as info:
+        load_config({"stages": stages})
+    assert "cycle: c0 -> c1 -> c2" in str(info.value) and info.value.path == "$.stages[1].inputs"
+
+
+def test_graph_helpers_are_cached_and_follow_a_new_stage_list():
+    cfg = load_config(linear("a", "b"))
+    assert cfg.stage("b").id == "b"
+    cfg.stages = [*cfg.stages, StageConfig(id="c", inputs=["b"], final_output=True)]
+    assert cfg.index_of("c") == 2 and topological_order(cfg) == ["a", "b", "c"]
+    with pytest.raises(KeyError):
+        cfg.stage("zz")
+    with pytest.raises(ValueError, match="'zz' is not a stage"):
+        cfg.index_of("zz")
+
+
+# -- the schema ------------------------------------------------------------------------
+
+
+def schema_from_cli(capsys):
+    from omni_trio.cli import main
+
+    assert main(["schema"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_schema_validates_shipped_pipelines_and_rejects_broken_ones(capsys):
+    import jsonschema
+    import yaml
+
+    from omni_trio.config import config_schema
+
+    schema = schema_from_cli(capsys)
+    assert schema == config_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    shipped = sorted(Path(omni_trio.pipelines.__file__).parent.glob("*.yaml"))
+    assert len(shipped) >= 2
+    for path in shipped:
+        data = yaml.safe_load(path.read_text())
+        assert not list(validator.iter_errors(data)), path.name
+        broken = json.loads(json.dumps(data))
+        broken["stages"][0]["replicas"] = "two"
+        assert not validator.is_valid(broken)
+    base = {"stages": [{"id": "a", "final_output": True}]}
+    assert validator.is_valid(base)
+    for bad_stage in (
+        {"id": "a", "bogus": 1},
+        {"id": "a", "replicas": 1000},
+        {"id": "a", "options": {"outptus": 3}},  # scripted, the default backend
+        {"id": "a", "backend": "vllm", "options": {"cpu_bnd": "0"}},
+        {"id": "a", "backend": "torch", "options": {"max_batch_size": 0}},
+        {"id": "a", "backend": "not a backend"},
+        {"id": "a", "input_processor": ".relative:f"},
+    ):
+        assert not validator.is_valid({"stages": [bad_stage]}), bad_stage
+    assert validator.is_valid({"stages": [{"id": "a", "backend": "torch", "options": {"seed": 3}}]})
+
+
+def test_schema_fields_have_descriptions():
+    from omni_trio.config import config_schema
+
+    defs = config_schema()["$defs"]
+    for name in ("PipelineConfig", "StageConfig", "ScriptedOptions", "TorchOptions", "VllmOptions"):
+        props = defs[name]["properties"]
+        missing = [k for k, v in props.items() if not v.get("description")]
+        assert not missing, (name, missing)
+    assert "source" not in defs["PipelineConfig"]["properties"]
+
+
+# -- omni-trio validate: exit 2 and one line naming the file and path -------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "where"),
+    [
+        ("opt.yaml", one_stage_yaml("    options: {outptus: 3}\n"), "$.stages[0].options.outptus"),
+        (
+            "nan.yaml",
+            one_stage_yaml("    stage_init_timeout: .nan\n"),
+            "$.stages[0].stage_init_timeout",
+        ),
+        ("dup.json", '{"name": "a", "name": "b", "stages": []}', "$.name"),
+        (
+            "rel.yaml",
+            one_stage_yaml("    input_processor: '.x:f'\n"),
+            "$.stages[0].input_processor",
+        ),
+        ("bytes.yaml", b"name: \xff\n", "$"),
+        ("deep.json", '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "$"),
+    ],
+)
+def test_cli_validate_exits_2_with_one_line(tmp_path, capsys, name, text, where):
+    from omni_trio.cli import main
+
+    path = write(tmp_path, name, text)
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"omni-trio: error: ConfigError: {path}: {where}: ")
+
+
+def test_cli_validate_ok(tmp_path, capsys):
+    from omni_trio.cli import main
+
+    path = write(tmp_path, "ok.yaml", one_stage_yaml())
+    assert main(["validate", str(path)]) == 0
+    assert capsys.readouterr().out.startswith(f"OK: {path}: pipeline 't', 1 stages")

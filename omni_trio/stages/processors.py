@@ -19,11 +19,10 @@ next prompt's token ids.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
-from ..errors import ConfigError
+from .._dotted import import_dotted
 from ..outputs import StageInput, StageOutput
 
 __all__ = ["InputProcessor", "load_processor", "map_tokens", "passthrough", "token_handoff"]
@@ -115,29 +114,10 @@ def passthrough(
 def load_processor(
     path: str | None, *, where: str = "$", source: str | None = None
 ) -> InputProcessor:
-    """Resolve ``"package.module:function"`` (or ``None`` for the default). Raises ConfigError."""
+    """Resolve ``"package.module:function"`` (or ``None`` for the default). Blocking (imports
+    the module). Raises ConfigError naming ``where``: a malformed or relative path, a module
+    that cannot be imported, no such function."""
     if path is None:
         return token_handoff
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(
-            f"input_processor must be 'package.module:function', got {path!r}",
-            path=where,
-            source=source,
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(
-            f"cannot import input_processor module {module_name!r}: {exc}",
-            path=where,
-            source=source,
-        ) from exc
-    func = getattr(module, attr, None)
-    if not callable(func):
-        raise ConfigError(
-            f"input_processor {path!r}: {module_name!r} has no callable {attr!r}",
-            path=where,
-            source=source,
-        )
-    return func  # type: ignore[no-any-return]
+    func = import_dotted(path, what="input_processor", where=where, source=source)
+    return cast(InputProcessor, func)

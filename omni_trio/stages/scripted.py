@@ -17,6 +17,11 @@ Options (under the stage's ``options:``):
 ``fail_start`` (bool)           start-up raises
 ``stop_delay_s`` (float, 0)     trio-clock delay while stopping
 ``token_offset`` (int, 1)       see below
+``record`` (int|false, 10000)   how many entries the records below keep (the most recent);
+                                ``false``: none, so a long-running scripted server stays flat
+
+They are declared by :class:`~omni_trio.stages.options.ScriptedOptions` and checked when the
+config is loaded. A stage's stop is bounded by the stage key ``shutdown_timeout``.
 
 What flows where: a request's input token ids ``T`` are the entry prompt's UTF-8 bytes (text
 prompts) or the token ids it was given. Output ``k`` carries ``token_ids == (T[k % len(T)] +
@@ -25,7 +30,8 @@ token_offset,)`` and ``text == f"{stage_id}:{token} "``. So a chain of scripted 
 ``stream_input: true`` output ``k`` is produced as soon as input token ``k`` has arrived.
 
 ``received[request_id]`` records the input chunks a request brought, ``aborted`` the ids that
-were cancelled before finishing, ``completed`` those that finished; ``collective_rpc``
+were cancelled before finishing, ``completed`` those that finished (each keeps the last
+``record`` entries; ``completed == ["r"]`` compares like a list); ``collective_rpc``
 answers ``echo`` (returns its args), ``sleep`` (sleeps ``args[0]`` seconds, returns it),
 ``hang`` (never returns), ``stats`` (the replica's statistics) and ``fail`` (raises).
 """
@@ -33,30 +39,73 @@ answers ``echo`` (returns its args), ``sleep`` (sleeps ``args[0]`` seconds, retu
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
 
 import trio
 
-from ..errors import ConfigError, StageError
+from ..errors import StageError
 from ..outputs import StageInput, StageOutput
 from ._abc import Emit, InputStream, StageBackend
+from .options import ScriptedOptions, parse_options
 
-__all__ = ["ScriptedBackend", "scripted_tokens"]
+__all__ = ["RecentList", "ScriptedBackend", "scripted_tokens"]
 
-_DEFAULTS: dict[str, Any] = {
-    "outputs": 8,
-    "latency_s": 0.0,
-    "fail_at_output": None,
-    "crash_at_request": None,
-    "crash_replica": None,
-    "hang": False,
-    "start_delay_s": 0.0,
-    "fail_start": False,
-    "stop_delay_s": 0.0,
-    "token_offset": 1,
-    "shutdown_timeout": 30.0,
-}
+
+class RecentList(Sequence[str]):
+    """The last ``limit`` items appended (oldest first); equal to any sequence of the same
+    items, so ``backend.completed == ["r"]`` reads naturally in tests."""
+
+    def __init__(self, limit: int) -> None:
+        self._items: deque[str] = deque(maxlen=limit)
+
+    def append(self, item: str) -> None:
+        self._items.append(item)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return list(self._items)[index]
+        return self._items[index]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (RecentList, list, tuple, deque)):
+            return list(self._items) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"RecentList({list(self._items)!r}, limit={self._items.maxlen})"
+
+
+class _RecentInputs(dict[str, list[StageInput]]):
+    """``received``: request id -> input chunks, for the ``limit`` most recent requests."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def start(self, request_id: str) -> list[StageInput]:
+        chunks = self.get(request_id)
+        if chunks is not None:
+            return chunks
+        chunks = []
+        if self.limit:
+            while len(self) >= self.limit:
+                del self[next(iter(self))]  # dicts keep insertion order: the oldest
+            self[request_id] = chunks
+        return chunks
 
 
 def scripted_tokens(inputs: Sequence[int], n_outputs: int, offset: int = 1) -> list[int]:
@@ -87,59 +136,53 @@ class ScriptedBackend(StageBackend):
 
     def __init__(self, config: Any, *, stage_index: int, replica: int = 0) -> None:
         super().__init__(config, stage_index=stage_index, replica=replica)
-        unknown = set(config.options) - set(_DEFAULTS)
-        if unknown:
-            raise ConfigError(
-                f"unknown scripted option(s) {sorted(unknown)}; known: {sorted(_DEFAULTS)}",
-                path=f"$.stages[{stage_index}].options",
-                source=None,
-            )
-        self.options: dict[str, Any] = {**_DEFAULTS, **config.options}
-        if int(self.options["outputs"]) < 1:
-            raise ConfigError(
-                "scripted option outputs must be >= 1",
-                path=f"$.stages[{stage_index}].options.outputs",
-            )
-        self.received: dict[str, list[StageInput]] = {}
-        self.aborted: list[str] = []
-        self.completed: list[str] = []
+        self.options: ScriptedOptions = parse_options(
+            ScriptedOptions,
+            config.options,
+            where=f"$.stages[{stage_index}].options",
+            backend="scripted",
+        )
+        limit = self.options.record_limit
+        self.received = _RecentInputs(limit)
+        self.aborted = RecentList(limit)
+        self.completed = RecentList(limit)
         self.requests_seen = 0
 
     async def _start(self) -> None:
-        await trio.sleep(float(self.options["start_delay_s"]))
-        if self.options["fail_start"]:
+        await trio.sleep(self.options.start_delay_s)
+        if self.options.fail_start:
             raise StageError(
                 f"scripted stage {self.name} was configured with fail_start: true",
                 stage_id=self.stage_id,
             )
 
     async def _stop(self) -> None:
-        await trio.sleep(float(self.options["stop_delay_s"]))
+        await trio.sleep(self.options.stop_delay_s)
 
     async def _run(
         self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
     ) -> None:
         self.requests_seen += 1
-        crash_at = self.options["crash_at_request"]
-        crash_here = self.options["crash_replica"] in (None, self.replica)
-        if crash_at is not None and crash_here and self.requests_seen >= int(crash_at):
+        crash_at = self.options.crash_at_request
+        crash_here = self.options.crash_replica in (None, self.replica)
+        if crash_at is not None and crash_here and self.requests_seen >= crash_at:
             self._die(
                 StageError(
                     f"scripted crash at request {self.requests_seen}", stage_id=self.stage_id
                 )
             )
             await trio.lowlevel.checkpoint()  # the scope is cancelled: this raises
-        n_outputs = int(self.options["outputs"])
+        n_outputs = self.options.outputs
         if isinstance(sampling_params, dict) and "max_tokens" in sampling_params:
             n_outputs = min(n_outputs, int(sampling_params["max_tokens"]))
-        fail_at = self.options["fail_at_output"]
-        latency = float(self.options["latency_s"])
-        offset = int(self.options["token_offset"])
-        chunks = self.received.setdefault(request_id, [])
+        fail_at = self.options.fail_at_output
+        latency = self.options.latency_s
+        offset = self.options.token_offset
+        chunks = self.received.start(request_id)
         tokens: list[int] = []
         input_done = False
         try:
-            if self.options["hang"]:
+            if self.options.hang:
                 await trio.sleep_forever()
             for k in range(n_outputs):
                 # wait until input token k is here (streamed input) or the input is complete
@@ -156,7 +199,7 @@ class ScriptedBackend(StageBackend):
                     await trio.sleep(latency)
                 else:
                     await trio.lowlevel.checkpoint()
-                if fail_at is not None and k == int(fail_at):
+                if fail_at is not None and k == fail_at:
                     raise StageError(
                         f"scripted stage {self.name} was configured to fail at output {k} "
                         f"(request {request_id!r})",
@@ -179,7 +222,7 @@ class ScriptedBackend(StageBackend):
             self.aborted.append(request_id)
             raise
 
-    async def _rpc(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    async def _rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if method == "echo":
             return {"stage": self.stage_id, "replica": self.replica, "args": list(args), **kwargs}
         if method == "sleep":

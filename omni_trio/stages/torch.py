@@ -24,9 +24,11 @@ Options (under the stage's ``options:``): ``factory`` (``"package.module:callabl
 callable itself in a config built in Python; default the tiny vocoder's
 :func:`~omni_trio.models.vocoder.build_vocoder`), ``max_batch_size`` (8),
 ``max_batch_delay_s`` (0.005), ``max_concurrency`` (1), ``chunk_size`` (16 codes per streamed
-output chunk), ``torch_threads`` (``torch.set_num_threads``, process-wide; default: leave),
-``shutdown_timeout``. Every other key (``weights``, ``seed``, ...) goes to the factory as its
-options dict. ``sampling_params`` are ignored.
+output chunk), ``torch_threads`` (``torch.set_num_threads``, process-wide; default:
+leave); declared by :class:`~omni_trio.stages.options.TorchOptions` and checked at load with
+the factory's path (imported) and a ``weights`` file (must exist). Every other key
+(``weights``, ``seed``, ...) goes to the factory as its options dict. ``sampling_params`` are
+ignored.
 
 With ``stream_input: true`` the stage decodes every ``chunk_size`` codes as they arrive and
 emits each audio chunk at once (the remainder at the end), so audio starts before the talker
@@ -55,7 +57,7 @@ from typing import Any
 
 import trio
 
-from ..errors import BackendUnavailableError, ConfigError, StageError
+from ..errors import BackendUnavailableError, StageError
 from ..outputs import StageInput, StageOutput
 from ._abc import Emit, InputStream, StageBackend
 from ._torch_worker import ModuleInfo, forward_batch, load_module
@@ -66,57 +68,11 @@ from .batching import (
     context_window,
     decide_batch,
 )
+from .options import TorchOptions, parse_torch_options, split_torch_options
 
 __all__ = ["TorchBackend", "TorchOptions", "codes_of", "parse_torch_options"]
 
 _INSTALL_HINT = "pip install 'omni-trio[torch]'"
-_DEFAULT_FACTORY = "omni_trio.models.vocoder:build_vocoder"
-
-
-@dataclass(frozen=True, slots=True)
-class TorchOptions:
-    """The backend's own options (the rest of ``options`` goes to the factory)."""
-
-    factory: str | Callable[[dict[str, Any]], Any] = _DEFAULT_FACTORY
-    max_batch_size: int = 8
-    max_batch_delay_s: float = 0.005
-    max_concurrency: int = 1
-    chunk_size: int = 16
-    torch_threads: int | None = None
-    shutdown_timeout: float = 30.0
-
-
-def parse_torch_options(
-    options: Mapping[str, Any], *, stage_index: int = 0
-) -> tuple[TorchOptions, dict[str, Any]]:
-    """Split a stage's options into the backend's (validated) and the factory's. Pure.
-    Raises :class:`ConfigError` naming the option's path."""
-    where = f"$.stages[{stage_index}].options"
-    own = {k: options[k] for k in TorchOptions.__slots__ if k in options}
-    factory_options = {k: v for k, v in options.items() if k not in own}
-    try:
-        opts = TorchOptions(**own)
-    except TypeError as exc:  # pragma: no cover - keys are filtered above
-        raise ConfigError(str(exc), path=where) from None
-    if not callable(opts.factory) and (
-        not isinstance(opts.factory, str) or ":" not in opts.factory
-    ):
-        raise ConfigError(
-            f"factory must be 'package.module:callable', got {opts.factory!r}",
-            path=f"{where}.factory",
-        )
-    for key in ("max_batch_size", "max_concurrency", "chunk_size"):
-        value = getattr(opts, key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(
-                f"{key} must be an integer >= 1, got {value!r}", path=f"{where}.{key}"
-            )
-    if not isinstance(opts.max_batch_delay_s, (int, float)) or opts.max_batch_delay_s < 0:
-        raise ConfigError(
-            f"max_batch_delay_s must be a number >= 0, got {opts.max_batch_delay_s!r}",
-            path=f"{where}.max_batch_delay_s",
-        )
-    return opts, factory_options
 
 
 def codes_of(chunk: StageInput, vocab_size: int | None) -> list[int]:
@@ -200,6 +156,8 @@ class TorchBackend(StageBackend):
         self.options, self.factory_options = parse_torch_options(
             config.options, stage_index=stage_index
         )
+        given = split_torch_options(config.options)[2]
+        self.factory: str | Callable[[dict[str, Any]], Any] = given or self.options.factory
         self._info: ModuleInfo | None = None
         self._limiter = trio.CapacityLimiter(self.options.max_concurrency)
         self._pending: list[_Item] = []
@@ -215,7 +173,7 @@ class TorchBackend(StageBackend):
     # -- lifecycle -----------------------------------------------------------------------
     async def _start(self) -> None:
         self._info = await trio.to_thread.run_sync(
-            load_module, self.options.factory, self.factory_options, self.options.torch_threads
+            load_module, self.factory, self.factory_options, self.options.torch_threads
         )
         self.mark_phase("model_loaded")
 

@@ -20,7 +20,8 @@ Config (a stage with ``backend: vllm``):
                  (float, 1.0): how long the EngineCore gets after SIGTERM before SIGKILL;
                  ``output_buffer`` (int, 64): the per-request bridge window;
                  ``abort_timeout_s`` (float, 10): bound on waiting for the engine to confirm
-                 an abort; ``shutdown_timeout`` (see the base class).
+                 an abort. Declared by :class:`~omni_trio.stages.options.VllmOptions`,
+                 checked at load, like ``engine_args`` keys and ``default_sampling_params``.
 
 Inputs: ``StageInput.token_ids`` (what a downstream stage receives) become
 ``{"prompt_token_ids": ...}``, ``prompt`` a text prompt, ``data`` a vLLM prompt dict. vLLM
@@ -47,6 +48,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import msgspec
 import outcome
 import trio
 
@@ -55,6 +57,7 @@ from ..transport.bridge import BridgeReceiver, BridgeSender, open_bridge
 from ._abc import Emit, InputStream, StageBackend, collect_input
 from ._vllm_protocol import CPU_ENGINE_DEFAULTS, Abort, Died, Rpc, Submit
 from ._vllm_worker import EngineWorker
+from .options import VllmOptions, parse_options
 
 __all__ = ["CPU_ENGINE_DEFAULTS", "VllmBackend"]
 
@@ -76,8 +79,11 @@ class VllmBackend(StageBackend):
         self._evt_rx: BridgeReceiver[Any] | None = None
         self._exited = trio.Event()
         self.core_pids: tuple[int, ...] = ()
-        self._out_buffer = int(config.options.get("output_buffer", 64))
-        self._abort_timeout = float(config.options.get("abort_timeout_s", 10.0))
+        self.options = parse_options(
+            VllmOptions, config.options, where=f"$.stages[{stage_index}].options", backend="vllm"
+        )
+        self._out_buffer = self.options.output_buffer
+        self._abort_timeout = self.options.abort_timeout_s
 
     @property
     def thread_name(self) -> str:
@@ -104,7 +110,7 @@ class VllmBackend(StageBackend):
             name=self.name,
             replica=self.replica,
             engine_args=dict(self.config.engine_args),
-            options=dict(self.config.options),
+            options=msgspec.structs.asdict(self.options),
             cmd_rx=cmd_rx,
             evt_tx=evt_tx,
             on_exit=on_exit,

@@ -129,8 +129,43 @@ async def test_start_faults(autojump_clock):
 
 
 def test_bad_options():
-    with pytest.raises(ConfigError, match="outputs must be >= 1"):
+    with pytest.raises(ConfigError, match=r"options\.outputs: Expected `int` >= 1, got int 0"):
         backend(outputs=0)
+    with pytest.raises(ConfigError, match=r"options\.shutdown_timeout: .* stage key"):
+        backend(shutdown_timeout=3)
+    with pytest.raises(ConfigError, match=r"options\.record: Expected `int` >= 0, got int -1"):
+        backend(record=-1)
+
+
+async def test_records_keep_the_last_entries(autojump_clock):
+    assert backend().options.record_limit == 10_000
+    b = backend(outputs=1, latency_s=1.0, record=3)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.serve)
+        for i in range(5):
+            await run(b, f"r{i}", StageInput(token_ids=(i,)))
+        assert b.completed == ["r2", "r3", "r4"] and len(b.completed) == 3
+        assert list(b.received) == ["r2", "r3", "r4"]
+        assert b.received["r4"][0].token_ids == (4,)
+        for i in range(4):
+            with trio.move_on_after(0.5):
+                await run(b, f"x{i}", StageInput(token_ids=(1,)))
+        assert b.aborted == ["x1", "x2", "x3"]
+        assert b.completed == ["r2", "r3", "r4"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_record_false_keeps_nothing(autojump_clock):
+    b = backend(outputs=2, latency_s=1.0, record=False)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.serve)
+        outs = await run(b, "r", StageInput(token_ids=(7,)))
+        assert [o.token_ids for o in outs] == [(8,), (8,)]  # still runs normally
+        with trio.move_on_after(0.5):
+            await run(b, "x", StageInput(token_ids=(1,)))
+        assert not b.completed and not b.aborted and not b.received
+        assert b.statistics().requests_finished == 1
+        nursery.cancel_scope.cancel()
 
 
 async def test_collect_input_merges_chunks():

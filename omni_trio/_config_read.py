@@ -1,0 +1,294 @@
+"""Reading a pipeline config file safely: every failure is a ConfigError naming the file.
+
+What this guards against, besides plain syntax errors: bytes that are not UTF-8 (line and
+column of the first bad byte), nesting deeper than :data:`MAX_DEPTH` (the parsers would raise
+``RecursionError``), duplicate keys in YAML and JSON (both parsers keep the last one silently;
+TOML's parser refuses them itself), YAML aliases that expand to more than :data:`MAX_NODES`
+values ("billion laughs") or refer to themselves, and numbers that are not finite (``.nan``,
+``inf``, JSON's ``Infinity``). :func:`check_tree` applies the data checks to any mapping (a
+config given as a dict too), walking it iteratively with the ``$``-path of every value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tomllib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from .errors import ConfigError
+
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_NODES",
+    "check_tree",
+    "explain_validation_error",
+    "read_config_file",
+    "with_value",
+]
+
+#: deepest nesting a config may have (a real one is under 10 levels deep)
+MAX_DEPTH = 64
+#: most values a config may expand to (a 20,000-stage pipeline has about 200,000)
+MAX_NODES = 2_000_000
+
+
+class _Mapping(dict[Any, Any]):
+    """A parsed mapping that remembers the keys it saw twice: (key, "line L, column C")."""
+
+    duplicates: list[tuple[Any, str]]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.duplicates = []
+
+
+def _where(mark: Any) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+# libyaml's parser when PyYAML has it (about 3x faster on big files), else PyYAML's own
+_BaseLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _Loader(_BaseLoader):  # type: ignore[misc]
+    """SafeLoader whose mappings record duplicate keys instead of keeping the last one."""
+
+    def construct_tracked_map(self, node: yaml.MappingNode) -> Iterator[_Mapping]:
+        data = _Mapping()
+        yield data
+        seen: set[Any] = set()
+        for key_node, _value in node.value:  # before merge keys are flattened in
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                data.duplicates.append((key, f" ({_where(key_node.start_mark)})"))
+            seen.add(key)
+        data.update(self.construct_mapping(node))
+
+
+_Loader.add_constructor("tag:yaml.org,2002:map", _Loader.construct_tracked_map)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _label(parent: yaml.Node, i: int) -> str:
+    if isinstance(parent, yaml.SequenceNode):
+        return f"[{i}]"
+    key = parent.value[i // 2][0]
+    return "" if i % 2 == 0 else "." + (key.value if isinstance(key, yaml.ScalarNode) else "?")
+
+
+def _check_yaml_nodes(root: yaml.Node, source: str) -> None:
+    """Reject alias bombs, self-referring aliases and deep nesting before constructing:
+    the node graph shares aliased nodes, so this is linear in the file, not the expansion."""
+    size: dict[int, int] = {}
+    on_stack = {id(root)}
+    # frames: [node, children, next child index, expanded size so far]
+    stack: list[list[Any]] = [[root, _children(root), 0, 1]]
+
+    def fail(reason: str, mark: Any) -> ConfigError:
+        path = "$" + "".join(_label(f[0], f[2] - 1) for f in stack)
+        return ConfigError(f"{reason} ({_where(mark)})", path=path, source=source)
+
+    while stack:
+        frame = stack[-1]
+        node, children, i, total = frame
+        if i < len(children):
+            child = children[i]
+            frame[2] = i + 1
+            if isinstance(child, yaml.ScalarNode):
+                frame[3] = total + 1
+            elif id(child) in size:
+                frame[3] = total + size[id(child)]
+            elif id(child) in on_stack:
+                raise fail("a YAML alias refers to a node that contains it", child.start_mark)
+            elif len(stack) >= MAX_DEPTH:
+                raise fail(f"nested more than {MAX_DEPTH} levels deep", child.start_mark)
+            else:
+                on_stack.add(id(child))
+                stack.append([child, _children(child), 0, 1])
+            if frame[3] > MAX_NODES:
+                raise fail(
+                    f"expands to more than {MAX_NODES:,} values through YAML aliases",
+                    child.start_mark,
+                )
+            continue
+        stack.pop()
+        on_stack.discard(id(node))
+        size[id(node)] = total
+        if stack:
+            stack[-1][3] += total
+
+
+def _load_yaml(text: str, source: str) -> Any:
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_yaml_nodes(node, source)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> _Mapping:
+    data = _Mapping()
+    for key, value in pairs:
+        if key in data:
+            data.duplicates.append((key, ""))
+        data[key] = value
+    return data
+
+
+def _decode(raw: bytes, source: str) -> str:
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ConfigError(
+            f"the file is not UTF-8: byte 0x{raw[exc.start]:02x} at line {line}, column "
+            f"{column} (offset {exc.start}); save it as UTF-8",
+            source=source,
+        ) from None
+
+
+def read_config_file(path: Path) -> Any:
+    """Read and parse a ``.yaml``/``.yml``/``.toml``/``.json`` file. Blocking.
+
+    Raises :class:`ConfigError` naming the file (and line and column where the parser has
+    them). The data is not yet checked with :func:`check_tree`.
+    """
+    source = str(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".yaml", ".yml", ".toml", ".json"):
+        raise ConfigError(
+            f"unsupported config file type {suffix!r}; use .yaml, .yml, .toml or .json",
+            source=source,
+        )
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file: {exc.strerror}", source=source) from exc
+    text = _decode(raw, source)
+    try:
+        if suffix == ".toml":
+            return tomllib.loads(text)
+        if suffix == ".json":
+            return json.loads(text, object_pairs_hook=_json_object)
+        return _load_yaml(text, source)
+    except ConfigError:
+        raise
+    except RecursionError:
+        raise ConfigError(
+            f"cannot parse file: nested too deeply (a config is at most {MAX_DEPTH} levels)",
+            source=source,
+        ) from None
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        message = " ".join(str(exc).split())
+        raise ConfigError(f"cannot parse file: {message}", source=source) from exc
+    except (ValueError, OverflowError) as exc:  # e.g. YAML's `2024-13-01` as a date
+        raise ConfigError(f"cannot parse file: {type(exc).__name__}: {exc}", source=source) from exc
+
+
+_Link = tuple[Any, Any, bool] | None  # (parent link, key or index, is an index)
+_LEAVES = (str, int, bool, type(None))
+
+
+def _path(link: _Link) -> str:
+    parts: list[str] = []
+    while link is not None:
+        link, key, is_index = link
+        parts.append(f"[{key}]" if is_index else f".{key}")
+    return "$" + "".join(reversed(parts))
+
+
+def check_tree(data: Any, source: str) -> None:
+    """Check parsed config data iteratively: depth, size, duplicate keys, non-finite
+    numbers. Pure. Raises :class:`ConfigError` with the value's ``$``-path."""
+    # paths are built only for an error: this runs on every load, 20,000 stages included
+    stack: list[tuple[Any, int, _Link]] = [(data, 0, None)]
+    seen = 0
+    while stack:
+        value, depth, link = stack.pop()
+        if depth >= MAX_DEPTH:
+            raise ConfigError(
+                f"nested more than {MAX_DEPTH} levels deep", path=_path(link), source=source
+            )
+        if isinstance(value, Mapping):
+            for key, where in getattr(value, "duplicates", ()):
+                raise ConfigError(
+                    f"duplicate key {key!r}{where}; each key may appear once",
+                    path=_path((link, key, False)),
+                    source=source,
+                )
+            items: Any = value.items()
+            is_index = False
+        else:
+            items = enumerate(value)
+            is_index = True
+        for key, item in items:
+            seen += 1
+            kind = type(item)
+            if kind in _LEAVES:
+                continue
+            if kind is float or isinstance(item, float):
+                if not math.isfinite(item):
+                    raise ConfigError(
+                        f"numbers must be finite, got {item!r} (use null for 'no limit' where "
+                        f"a key allows it)",
+                        path=_path((link, key, is_index)),
+                        source=source,
+                    )
+            elif isinstance(item, (Mapping, list, tuple)):
+                stack.append((item, depth + 1, (link, key, is_index)))
+        if seen > MAX_NODES:
+            raise ConfigError(
+                f"has more than {MAX_NODES:,} values", path=_path(link), source=source
+            )
+
+
+def _value_at(data: Any, path: str) -> Any:
+    """The value at a msgspec path suffix like ``.a[2].b`` inside ``data`` (or Ellipsis)."""
+    for name, index in re.findall(r"\.([^.\[]+)|\[(\d+)\]", path):
+        try:
+            data = data[name] if name else data[int(index)]
+        except (KeyError, IndexError, TypeError):
+            return ...
+    return data
+
+
+def explain_validation_error(exc: msgspec.ValidationError, data: Any) -> tuple[str, str]:
+    """msgspec's message split into (reason, ``$``-path), the reason ending with the value
+    found there (``Expected `int` >= 1, got 0``). Pure."""
+    message = str(exc)
+    m = re.search(r" - at `(\$[^`]*)`$", message)
+    reason, path = (message[: m.start()], m.group(1)) if m else (message, "$")
+    unknown = re.fullmatch(r"Object contains unknown field `([^`]*)`", reason)
+    if unknown:
+        return reason, f"{path}.{unknown.group(1)}"
+    value = _value_at(data, path[1:])
+    if value is not ... and not isinstance(value, (Mapping, list)):
+        reason = with_value(reason, value)
+    return reason, path
+
+
+def with_value(reason: str, value: Any) -> str:
+    """msgspec's reason with the offending value: ``Expected `int`, got str 'lots'``. Pure."""
+    reason = re.sub(r", got `[^`]*`$", "", reason)
+    return f"{reason}, got {type(value).__name__} {value!r}"

@@ -1,0 +1,135 @@
+"""Load-time checks of a vllm stage's ``engine_args`` and ``default_sampling_params``.
+
+Keys are checked against ``vllm.AsyncEngineArgs`` fields and ``vllm.SamplingParams`` fields,
+so a typo fails ``omni-trio validate`` instead of an engine start ~20 s later. Types are checked
+where that is cheap and safe: an engine arg whose annotation is made of plain types (int, float,
+bool, str, None, literals, lists and dicts of those) is converted with msgspec; sampling params
+are converted with ``SamplingParams`` itself (it is a msgspec Struct, whose ``__post_init__``
+also checks values). Skipped without a word when vllm is not importable: the stage's start
+reports that. The first check imports vllm (about 8 s on a 2-core CPU machine, once per process;
+the engine start would pay it anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from functools import cache
+from typing import Any, Literal
+
+import msgspec
+
+from .._config_read import explain_validation_error, with_value
+from ..errors import BackendUnavailableError, ConfigError
+
+__all__ = ["check_vllm_stage", "engine_arg_types"]
+
+_ATOMS = (int, float, bool, str, type(None))
+
+
+def _is_plain(tp: Any) -> bool:
+    """Whether msgspec can check ``tp`` exactly as vLLM means it (no custom classes). Pure."""
+    if tp in _ATOMS:
+        return True
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Literal:
+        return all(isinstance(a, (str, int)) for a in args)
+    if origin in (typing.Union, types.UnionType, list, dict):
+        return bool(args) and all(_is_plain(a) for a in args)
+    return False
+
+
+def _resolve(annotation: Any, owner: type) -> Any:
+    if not isinstance(annotation, str):
+        return annotation
+    for cls in owner.__mro__:
+        module = sys.modules.get(cls.__module__)
+        if module is None:
+            continue
+        try:
+            return eval(annotation, vars(module))  # vLLM's own annotation text
+        except Exception:
+            continue
+    return None
+
+
+@cache
+def engine_arg_types(engine_args_cls: type) -> dict[str, Any]:
+    """Field name -> type to check (``None``: only the key is checked) for AsyncEngineArgs."""
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(engine_args_cls):
+        tp = _resolve(field.type, engine_args_cls)
+        # vLLM annotates some fields `int` with a None default: None is always allowed
+        out[field.name] = (tp | None) if tp is not None and _is_plain(tp) else None
+    return out
+
+
+def _vllm() -> Any:
+    if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
+        return None
+    from ._vllm_worker import import_vllm  # shares the worker's import lock and cache
+
+    try:
+        return import_vllm()
+    except BackendUnavailableError:
+        return None
+
+
+def _unknown(kind: str, key: str, known: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{key!r} is not a vllm {kind} field{hint}"
+
+
+def check_vllm_stage(
+    engine_args: Mapping[str, Any],
+    sampling_params: Mapping[str, Any],
+    where: str,
+    source: str | None,
+) -> None:
+    """Check a vllm stage's ``engine_args`` and ``default_sampling_params`` (``where`` is the
+    stage's path). Blocking on the first call (imports vllm). Raises :class:`ConfigError`."""
+    v = _vllm()
+    if v is None:
+        return
+    fields = engine_arg_types(v.AsyncEngineArgs)
+    for key, value in engine_args.items():
+        path = f"{where}.engine_args.{key}"
+        if key not in fields:
+            raise ConfigError(_unknown("AsyncEngineArgs", key, fields), path=path, source=source)
+        tp = fields[key]
+        if tp is not None:
+            try:
+                msgspec.convert(value, tp)
+            except msgspec.ValidationError as exc:
+                reason = with_value(str(exc).split(" - at ", 1)[0], value)
+                raise ConfigError(reason, path=path, source=source) from None
+    known = v.SamplingParams.__struct_fields__
+    for key in sampling_params:
+        if key not in known:
+            raise ConfigError(
+                _unknown("SamplingParams", key, known),
+                path=f"{where}.default_sampling_params.{key}",
+                source=source,
+            )
+    try:
+        msgspec.convert(dict(sampling_params), v.SamplingParams)
+    except msgspec.ValidationError as exc:
+        reason, path = explain_validation_error(exc, dict(sampling_params))
+        raise ConfigError(
+            reason, path=f"{where}.default_sampling_params{path[1:]}", source=source
+        ) from None
+    except Exception as exc:  # SamplingParams.__post_init__'s value checks (vLLM's types)
+        param = getattr(exc, "parameter", None)
+        suffix = f".{param}" if isinstance(param, str) and param in known else ""
+        raise ConfigError(
+            f"{type(exc).__name__}: {exc}",
+            path=f"{where}.default_sampling_params{suffix}",
+            source=source,
+        ) from None

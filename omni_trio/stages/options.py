@@ -1,0 +1,303 @@
+"""The built-in backends' options, declared as msgspec Structs, and the load-time stage checks.
+
+A stage's ``options:`` mapping is converted with its backend's Struct when the config is
+loaded, so an unknown or ill-typed option is a :class:`~omni_trio.errors.ConfigError` naming
+``$.stages[i].options.<key>`` and the file, before any engine starts. Backends read their
+typed options with :func:`parse_options` (the config keeps the mapping as written).
+
+A user backend (``backend: "package.module:Factory"``) declares its options the same way: give
+the factory an ``Options`` class attribute that is a ``msgspec.Struct`` type (it is then
+checked at load; without one, ``options`` is passed through unchecked). A torch factory may do
+the same for the options the torch backend hands on to it.
+
+:func:`check_stage` is everything about one stage that can be known without starting it:
+options, dotted paths (imported and checked callable), a torch weights file, and, when vllm is
+importable, ``engine_args`` against ``AsyncEngineArgs`` and ``default_sampling_params``
+against ``SamplingParams``. Importing this module is light (msgspec only); vllm is imported on
+the first check of a vllm stage (several seconds, once per process).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from .._config_read import explain_validation_error
+from .._dotted import DOTTED_PATTERN, import_dotted, is_dotted
+from ..errors import BackendUnavailableError, ConfigError
+from ._vllm_fields import check_vllm_stage
+
+if TYPE_CHECKING:
+    from ..config import StageConfig
+
+__all__ = [
+    "BUILTIN_OPTIONS",
+    "DEFAULT_RECORD",
+    "DEFAULT_TORCH_FACTORY",
+    "ScriptedOptions",
+    "TorchOptions",
+    "VllmOptions",
+    "check_stage",
+    "options_type_of",
+    "parse_options",
+    "parse_torch_options",
+    "split_torch_options",
+]
+
+#: how many request ids / inputs a scripted replica remembers by default (``record``)
+DEFAULT_RECORD = 10_000
+DEFAULT_TORCH_FACTORY = "omni_trio.models.vocoder:build_vocoder"
+#: stage-level keys that older configs wrote inside ``options``
+_MOVED_TO_STAGE = ("shutdown_timeout",)
+
+_Seconds = Annotated[float, Meta(ge=0)]
+_PositiveSeconds = Annotated[float, Meta(gt=0)]
+
+
+class ScriptedOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Options of the ``scripted`` backend (see :mod:`omni_trio.stages.scripted`)."""
+
+    outputs: Annotated[int, Meta(ge=1, description="outputs per request; the last is finished")] = 8
+    latency_s: Annotated[float, Meta(ge=0, description="trio-clock seconds before each output")] = (
+        0.0
+    )
+    fail_at_output: Annotated[
+        Annotated[int, Meta(ge=0)] | None,
+        Meta(description="raise a request-scoped StageError at this output"),
+    ] = None
+    crash_at_request: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        Meta(description="the replica dies at its n-th request (1-based)"),
+    ] = None
+    crash_replica: Annotated[
+        Annotated[int, Meta(ge=0)] | None,
+        Meta(description="only this replica crashes (default: every one)"),
+    ] = None
+    hang: Annotated[bool, Meta(description="requests never produce an output")] = False
+    start_delay_s: Annotated[
+        float, Meta(ge=0, description="trio-clock seconds before the replica is ready")
+    ] = 0.0
+    fail_start: Annotated[bool, Meta(description="start-up raises")] = False
+    stop_delay_s: Annotated[float, Meta(ge=0, description="trio-clock seconds to stop")] = 0.0
+    token_offset: Annotated[int, Meta(description="added to every token id per hop")] = 1
+    record: Annotated[
+        Annotated[int, Meta(ge=0)] | bool,
+        Meta(
+            description="how many entries the received/completed/aborted records keep "
+            f"(the most recent); false: none, true: the default {DEFAULT_RECORD}"
+        ),
+    ] = DEFAULT_RECORD
+
+    @property
+    def record_limit(self) -> int:
+        """``record`` as a count (``false`` -> 0, ``true`` -> the default)."""
+        if isinstance(self.record, bool):
+            return DEFAULT_RECORD if self.record else 0
+        return self.record
+
+
+class TorchOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """Options of the ``torch`` backend. Keys not listed here go to the factory."""
+
+    factory: Annotated[
+        str,
+        Meta(
+            description="'package.module:callable' that builds the module from the remaining "
+            "options",
+            extra_json_schema={"pattern": DOTTED_PATTERN},
+        ),
+    ] = DEFAULT_TORCH_FACTORY
+    max_batch_size: Annotated[int, Meta(ge=1, description="most requests in one batch")] = 8
+    max_batch_delay_s: Annotated[
+        float, Meta(ge=0, description="longest wait (seconds) for a batch to fill")
+    ] = 0.005
+    max_concurrency: Annotated[int, Meta(ge=1, description="batches running at once")] = 1
+    chunk_size: Annotated[
+        int, Meta(ge=1, description="codes per streamed output chunk (stream_input)")
+    ] = 16
+    torch_threads: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        Meta(description="torch.set_num_threads (process-wide; default: leave it)"),
+    ] = None
+
+
+class VllmOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Options of the ``vllm`` backend (see :mod:`omni_trio.stages.vllm`)."""
+
+    cpu_bind: Annotated[
+        str | int | list[str | int] | None,
+        Meta(
+            description="VLLM_CPU_OMP_THREADS_BIND for this engine only (a list: one per "
+            "replica, cycled)"
+        ),
+    ] = None
+    core_shutdown_grace_s: Annotated[
+        float, Meta(ge=0, description="seconds the EngineCore gets to exit before SIGKILL")
+    ] = 10.0
+    output_buffer: Annotated[
+        int, Meta(ge=1, le=1_000_000, description="per-request bridge window (outputs)")
+    ] = 64
+    abort_timeout_s: Annotated[
+        float, Meta(gt=0, description="bound on waiting for the engine to confirm an abort")
+    ] = 10.0
+
+
+BUILTIN_OPTIONS: dict[str, type[msgspec.Struct]] = {
+    "scripted": ScriptedOptions,
+    "torch": TorchOptions,
+    "vllm": VllmOptions,
+}
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def parse_options(
+    options_type: type[S],
+    options: Mapping[str, Any],
+    *,
+    where: str,
+    source: str | None = None,
+    backend: str = "",
+) -> S:
+    """Convert a stage's ``options`` mapping with ``options_type`` (strict: no string to
+    number coercion). ``where`` is the options' path (``$.stages[2].options``). Pure.
+
+    Raises :class:`ConfigError` naming the key: unknown (with the known ones), ill-typed or
+    out of range (with the value), a non-finite number, or a key that belongs on the stage.
+    """
+    label = f"{backend} option" if backend else "option"
+    for key in _MOVED_TO_STAGE:
+        if key in options:
+            raise ConfigError(
+                f"{key} is a stage key, not a {label}: write it beside `options:`",
+                path=f"{where}.{key}",
+                source=source,
+            )
+    forbid = options_type.__struct_config__.forbid_unknown_fields
+    known = options_type.__struct_fields__
+    if forbid:
+        for key in options:
+            if key not in known:
+                raise ConfigError(
+                    f"unknown {label} {key!r}; known: {', '.join(sorted(known))}",
+                    path=f"{where}.{key}",
+                    source=source,
+                )
+    try:
+        parsed = msgspec.convert(dict(options), options_type)
+    except msgspec.ValidationError as exc:
+        reason, path = explain_validation_error(exc, dict(options))
+        raise ConfigError(reason, path=where + path[1:], source=source) from None
+    for key in known:
+        value = getattr(parsed, key)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(
+                f"must be a finite number, got {value!r}", path=f"{where}.{key}", source=source
+            )
+    return parsed
+
+
+def split_torch_options(
+    options: Mapping[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any], Callable[..., Any] | None]:
+    """A torch stage's options as (the backend's keys, the factory's keys, a factory given as
+    a callable in a config built in Python, else None). Pure."""
+    own = {k: v for k, v in options.items() if k in TorchOptions.__struct_fields__}
+    rest = {k: v for k, v in options.items() if k not in own}
+    factory = own.get("factory")
+    if callable(factory):
+        del own["factory"]
+        return own, rest, factory
+    return own, rest, None
+
+
+def options_type_of(factory: object) -> type[msgspec.Struct] | None:
+    """The ``Options`` Struct a user factory declares, or None. Pure."""
+    declared = getattr(factory, "Options", None)
+    if isinstance(declared, type) and issubclass(declared, msgspec.Struct):
+        return declared
+    return None
+
+
+def check_stage(stage: StageConfig, index: int, source: str | None) -> None:
+    """Check one stage as far as possible without starting it (see the module docstring).
+
+    Imports the modules its dotted paths name (and vllm, for a vllm stage, when installed).
+    Raises :class:`ConfigError` naming the path.
+    """
+    where = f"$.stages[{index}]"
+    if stage.input_processor is not None:
+        import_dotted(
+            stage.input_processor,
+            what="input_processor",
+            where=f"{where}.input_processor",
+            source=source,
+        )
+    opts_where = f"{where}.options"
+    if stage.backend == "torch":
+        _check_torch(stage.options, index, source)
+    elif stage.backend in BUILTIN_OPTIONS:
+        parse_options(
+            BUILTIN_OPTIONS[stage.backend],
+            stage.options,
+            where=opts_where,
+            source=source,
+            backend=stage.backend,
+        )
+    else:
+        factory = import_dotted(
+            stage.backend, what="backend", where=f"{where}.backend", source=source
+        )
+        declared = options_type_of(factory)
+        if declared is not None:
+            parse_options(declared, stage.options, where=opts_where, source=source)
+    if stage.backend == "vllm":
+        check_vllm_stage(stage.engine_args, stage.default_sampling_params, where, source)
+
+
+def parse_torch_options(
+    options: Mapping[str, Any], *, stage_index: int = 0, source: str | None = None
+) -> tuple[TorchOptions, dict[str, Any]]:
+    """Split a torch stage's options into the backend's (a validated :class:`TorchOptions`)
+    and the factory's (every other key). Pure. Raises :class:`ConfigError` naming the option's
+    path. A factory given as a callable is left out: see :func:`split_torch_options`."""
+    where = f"$.stages[{stage_index}].options"
+    own, factory_options, given = split_torch_options(options)
+    opts = parse_options(TorchOptions, own, where=where, source=source, backend="torch")
+    if given is None and not is_dotted(opts.factory):
+        raise ConfigError(
+            f"factory must be 'package.module:callable', got {opts.factory!r}",
+            path=f"{where}.factory",
+            source=source,
+        )
+    return opts, factory_options
+
+
+def _check_torch(options: Mapping[str, Any], index: int, source: str | None) -> None:
+    where = f"$.stages[{index}].options"
+    opts, rest = parse_torch_options(options, stage_index=index, source=source)
+    factory: object = split_torch_options(options)[2]
+    if factory is None:
+        try:
+            factory = import_dotted(
+                opts.factory, what="torch factory", where=f"{where}.factory", source=source
+            )
+        except BackendUnavailableError:
+            pass  # torch is not installed here: starting the stage says so
+    declared = options_type_of(factory)
+    if declared is not None:
+        parse_options(declared, rest, where=where, source=source)
+    weights = rest.get("weights")
+    if isinstance(weights, str) and not weights.startswith("tiny:"):
+        if not Path(weights).expanduser().is_file():
+            raise ConfigError(
+                f"weights file {weights!r} does not exist (relative paths are taken from the "
+                f"working directory, {str(Path.cwd())!r})",
+                path=f"{where}.weights",
+                source=source,
+            )

@@ -1,0 +1,181 @@
+"""The backends' option Structs and the load-time stage checks (omni_trio.stages.options)."""
+
+import sys
+import textwrap
+
+import msgspec
+import pytest
+
+from omni_trio import ConfigError, load_config
+from omni_trio.stages.options import (
+    DEFAULT_TORCH_FACTORY,
+    ScriptedOptions,
+    TorchOptions,
+    VllmOptions,
+    options_type_of,
+    parse_options,
+    parse_torch_options,
+    split_torch_options,
+)
+from omni_trio.stages.pool import create_backend
+
+
+def test_parse_options_defaults_types_and_paths():
+    opts = parse_options(
+        ScriptedOptions, {"outputs": 3, "latency_s": 1}, where="$.stages[4].options"
+    )
+    assert opts.outputs == 3 and opts.latency_s == 1.0 and opts.hang is False
+    assert opts.record_limit == 10_000
+    assert parse_options(ScriptedOptions, {"record": False}, where="$").record_limit == 0
+    assert parse_options(ScriptedOptions, {"record": True}, where="$").record_limit == 10_000
+    with pytest.raises(ConfigError) as info:
+        parse_options(
+            ScriptedOptions, {"hang": "yes"}, where="$.stages[4].options", source="p.yaml"
+        )
+    assert info.value.path == "$.stages[4].options.hang" and info.value.source == "p.yaml"
+    assert "Expected `bool`, got str 'yes'" in str(info.value)
+    with pytest.raises(ConfigError, match=r"options\.latency_s: must be a finite number"):
+        parse_options(ScriptedOptions, {"latency_s": float("inf")}, where="$.stages[0].options")
+    with pytest.raises(ConfigError, match="unknown scripted option 'x'; known: crash_at_request"):
+        parse_options(ScriptedOptions, {"x": 1}, where="$", backend="scripted")
+
+
+def test_vllm_options():
+    opts = parse_options(VllmOptions, {"cpu_bind": [0, "1"], "output_buffer": 8}, where="$")
+    assert opts.cpu_bind == [0, "1"] and opts.output_buffer == 8 and opts.abort_timeout_s == 10.0
+    assert msgspec.structs.asdict(opts)["cpu_bind"] == [0, "1"]  # what the worker reads
+    for bad in ({"abort_timeout_s": 0}, {"output_buffer": 0}, {"cpu_bind": 1.5}, {"x": 1}):
+        with pytest.raises(ConfigError, match=r"\$\.options\."):
+            parse_options(VllmOptions, bad, where="$.options", backend="vllm")
+
+
+def test_torch_options_split_factory_keys_and_callables():
+    own, rest, given = split_torch_options({"max_batch_size": 2, "weights": "w.pt"})
+    assert own == {"max_batch_size": 2} and rest == {"weights": "w.pt"} and given is None
+
+    def factory(options):
+        return options
+
+    own, rest, given = split_torch_options({"factory": factory, "seed": 1})
+    assert own == {} and rest == {"seed": 1} and given is factory
+    opts, rest = parse_torch_options({"factory": factory, "chunk_size": 4})
+    assert opts.factory == DEFAULT_TORCH_FACTORY and opts.chunk_size == 4
+    assert isinstance(opts, TorchOptions)
+    with pytest.raises(ConfigError, match=r"stages\[3\]\.options\.torch_threads"):
+        parse_torch_options({"torch_threads": 0}, stage_index=3)
+
+
+def test_options_type_of_a_user_factory():
+    class Opts(msgspec.Struct):
+        n: int = 1
+
+    class Factory:
+        Options = Opts
+
+    assert options_type_of(Factory) is Opts
+    assert options_type_of(object()) is None
+    assert options_type_of(type("NotStruct", (), {"Options": dict})) is None
+
+
+@pytest.fixture
+def user_modules(tmp_path, monkeypatch):
+    """A real importable package with a user backend that declares Options, a torch factory
+    that declares Options, and a processor."""
+    pkg = tmp_path / "userpkg_options"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "backends.py").write_text(
+        textwrap.dedent(
+            """
+            import msgspec
+            from omni_trio.stages.scripted import ScriptedBackend
+
+            class MyOptions(msgspec.Struct, forbid_unknown_fields=True):
+                greeting: str = "hi"
+                repeat: int = 1
+
+            class MyBackend(ScriptedBackend):
+                Options = MyOptions
+
+                def __init__(self, config, *, stage_index, replica=0):
+                    from omni_trio.stages.options import parse_options
+                    self.mine = parse_options(
+                        MyOptions, config.options, where=f"$.stages[{stage_index}].options"
+                    )
+                    config = type(config)(id=config.id, final_output=config.final_output)
+                    super().__init__(config, stage_index=stage_index, replica=replica)
+
+            class FactoryOptions(msgspec.Struct, forbid_unknown_fields=True):
+                seed: int = 0
+
+            def build(options):
+                raise AssertionError("not called at load")
+
+            build.Options = FactoryOptions
+            NOT_CALLABLE = 3
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "userpkg_options.backends"
+    for name in [m for m in sys.modules if m.startswith("userpkg_options")]:
+        del sys.modules[name]
+
+
+def one_stage(**kw):
+    return {"stages": [{"id": "a", "final_output": True, **kw}]}
+
+
+def test_user_backend_options_checked_at_load(user_modules):
+    backend = f"{user_modules}:MyBackend"
+    cfg = load_config(one_stage(backend=backend, options={"greeting": "yo", "repeat": 2}))
+    made = create_backend(cfg.stages[0], stage_index=0, replica=0)
+    assert made.mine.greeting == "yo" and made.mine.repeat == 2
+    with pytest.raises(ConfigError) as info:
+        load_config(one_stage(backend=backend, options={"greting": "yo"}))
+    assert info.value.path == "$.stages[0].options.greting"
+    assert "unknown option 'greting'; known: greeting, repeat" in str(info.value)
+    with pytest.raises(ConfigError, match=r"\$\.stages\[0\]\.options\.repeat: Expected `int`"):
+        load_config(one_stage(backend=backend, options={"repeat": "2"}))
+    with pytest.raises(
+        ConfigError, match=r"\$\.stages\[0\]\.backend: .*no callable 'NOT_CALLABLE'"
+    ):
+        load_config(one_stage(backend=f"{user_modules}:NOT_CALLABLE"))
+
+
+def test_user_backend_without_options_struct_is_passed_through():
+    cfg = load_config(
+        one_stage(backend="omni_trio.stages.scripted:ScriptedBackend", options={"outputs": 2})
+    )
+    assert cfg.stages[0].options == {"outputs": 2}
+
+
+def test_torch_factory_options_struct_checked_at_load(user_modules):
+    pytest.importorskip("torch")
+    factory = f"{user_modules}:build"
+    cfg = load_config(one_stage(backend="torch", options={"factory": factory, "seed": 3}))
+    assert cfg.stages[0].options == {"factory": factory, "seed": 3}
+    with pytest.raises(ConfigError) as info:
+        load_config(one_stage(backend="torch", options={"factory": factory, "sed": 3}))
+    assert info.value.path == "$.stages[0].options.sed"
+
+
+def test_torch_weights_path_must_exist(tmp_path):
+    weights = tmp_path / "w.pt"
+    opts = {"weights": str(weights)}
+    with pytest.raises(ConfigError, match="does not exist") as info:
+        load_config(one_stage(backend="torch", options=opts))
+    assert info.value.path == "$.stages[0].options.weights"
+    weights.write_bytes(b"")
+    assert load_config(one_stage(backend="torch", options=opts)).stages[0].backend == "torch"
+    # a tiny: reference is the factory's to resolve, not a path
+    load_config(one_stage(backend="torch", options={"weights": "tiny:code2wav"}))
+
+
+def test_scripted_pipeline_helper_still_takes_a_dict():
+    from omni_trio.testing import scripted_pipeline
+
+    cfg = scripted_pipeline(["a", "b"], outputs=3, stage_options={"b": {"latency_s": 0.5}})
+    assert cfg.stage("b").options == {"outputs": 3, "latency_s": 0.5}
+    with pytest.raises(ConfigError, match=r"\.options\.outptus"):
+        scripted_pipeline(["a"], outptus=3)
