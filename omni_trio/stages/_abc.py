@@ -108,11 +108,12 @@ class StageBackend(abc.ABC):
         self.stage_id = config.id
         self.stage_index = stage_index
         self.replica = replica
-        own_timeout: float | None = getattr(config, "shutdown_timeout", None)
         #: bound on ``_stop``: the stage's ``shutdown_timeout``, else the pipeline's (the pool
         #: sets it), else :data:`DEFAULT_SHUTDOWN_TIMEOUT`
         self.shutdown_timeout: float = (
-            DEFAULT_SHUTDOWN_TIMEOUT if own_timeout is None else float(own_timeout)
+            DEFAULT_SHUTDOWN_TIMEOUT
+            if config.shutdown_timeout is None
+            else float(config.shutdown_timeout)
         )
         self._running: dict[str, RunningRequest] = {}
         self._rpcs: set[trio.CancelScope] = set()

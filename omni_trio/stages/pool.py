@@ -145,7 +145,7 @@ class StagePool:
             create_backend(config, stage_index=stage_index, replica=r)
             for r in range(config.replicas)
         ]
-        if getattr(config, "shutdown_timeout", None) is None:
+        if config.shutdown_timeout is None:
             for backend in self.replicas:
                 backend.shutdown_timeout = shutdown_timeout
         self._bindings: dict[str, StageBackend] = {}

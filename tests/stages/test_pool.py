@@ -296,3 +296,13 @@ async def test_abort_unknown_request_checkpoints(autojump_clock):
     pool = StagePool(cfg().stages[0], stage_index=0)
     with trio.testing.assert_checkpoints():
         assert await pool.abort("nobody") == []
+
+
+async def test_stage_shutdown_timeout_overrides_the_pipelines(autojump_clock):
+    stage = cfg(shutdown_timeout=2.0, options={"stop_delay_s": 1000.0}).stages[0]
+    pool = StagePool(stage, stage_index=0, shutdown_timeout=50.0)
+    t0 = trio.current_time()
+    with pytest.raises(StageStopError, match=r"a\[0\]: TooSlowError.*shutdown_timeout=2.0"):
+        with trio.move_on_after(1):
+            await pool.serve()
+    assert trio.current_time() - t0 == 1.0 + 2.0
