@@ -15,7 +15,6 @@ returns a new one. :func:`config_schema` is the JSON Schema of the file format.
 
 from __future__ import annotations
 
-import heapq
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +25,7 @@ from msgspec import Meta
 
 from ._config_read import check_tree, explain_validation_error, read_config_file
 from ._dotted import DOTTED_PATTERN, is_dotted
+from ._stage_graph import StageGraph, some_ids
 from .errors import ConfigError
 
 __all__ = [
@@ -151,13 +151,14 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, d
     source: str | None = None
 
     # -- graph helpers (O(1) or linear; computed once, see the module docstring) ---------
-    def _graph(self) -> _Graph:
+    def _graph(self) -> StageGraph:
         key = (id(self.stages), len(self.stages))
-        graph: _Graph | None = self.__dict__.get("_graph_cache")
-        if graph is None or graph.key != key:
-            graph = _Graph(self, key)
-            self.__dict__["_graph_cache"] = graph
-        return graph
+        cached: tuple[tuple[int, int], StageGraph] | None = self.__dict__.get("_graph_cache")
+        if cached is None or cached[0] != key:
+            ids = [s.id for s in self.stages]
+            graph = StageGraph(ids, [s.inputs for s in self.stages], self.source)
+            cached = self.__dict__["_graph_cache"] = (key, graph)
+        return cached[1]
 
     @property
     def stage_ids(self) -> list[str]:
@@ -189,81 +190,6 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, d
     @property
     def final_output_stages(self) -> list[str]:
         return [s.id for s in self.stages if s.final_output]
-
-
-def _some(ids: list[str]) -> str:
-    more = f" ... ({len(ids)} in all)" if len(ids) > 10 else ""
-    return f"stages are {ids[:10]}{more}"
-
-
-class _Graph:
-    """The stage graph of one config: index maps, downstream lists, topological order.
-
-    Built in O(n log n) without recursion; raises ConfigError for an unknown input or a cycle.
-    """
-
-    def __init__(self, cfg: PipelineConfig, key: tuple[int, int]) -> None:
-        self.key = key
-        self.ids = [s.id for s in cfg.stages]
-        self.index = {sid: i for i, sid in enumerate(self.ids)}
-        self.downstream: dict[str, list[str]] = {sid: [] for sid in self.ids}
-        self._ancestors: dict[str, frozenset[str]] = {}
-        self._inputs = [s.inputs for s in cfg.stages]
-        waiting = [0] * len(self.ids)
-        for i, st in enumerate(cfg.stages):
-            for j, up in enumerate(st.inputs):
-                if up not in self.index:
-                    raise ConfigError(
-                        f"unknown input stage {up!r}; {_some(self.ids)}",
-                        path=f"$.stages[{i}].inputs[{j}]",
-                        source=cfg.source,
-                    )
-                self.downstream[up].append(st.id)
-            waiting[i] = len(set(st.inputs))
-        # Kahn's algorithm; the heap keeps ties in config order
-        ready = [i for i, n in enumerate(waiting) if n == 0]
-        heapq.heapify(ready)
-        order: list[str] = []
-        while ready:
-            i = heapq.heappop(ready)
-            order.append(self.ids[i])
-            for down in self.downstream[self.ids[i]]:
-                d = self.index[down]
-                waiting[d] -= 1
-                if waiting[d] == 0:
-                    heapq.heappush(ready, d)
-        if len(order) < len(self.ids):
-            cycle = self._cycle(waiting)
-            raise ConfigError(
-                f"the stage graph has a cycle: {' -> '.join(cycle)}",
-                path=f"$.stages[{self.index[cycle[0]]}].inputs",
-                source=cfg.source,
-            )
-        self.order = order
-
-    def _cycle(self, waiting: list[int]) -> list[str]:
-        # every stage Kahn's algorithm left has an input that was left too: follow those
-        at = next(i for i, n in enumerate(waiting) if n > 0)
-        path: list[int] = []
-        pos: dict[int, int] = {}
-        while at not in pos:
-            pos[at] = len(path)
-            path.append(at)
-            at = next(self.index[u] for u in self._inputs[at] if waiting[self.index[u]] > 0)
-        return [self.ids[i] for i in path[pos[at] :]] + [self.ids[at]]
-
-    def ancestors(self, stage_id: str) -> frozenset[str]:
-        found = self._ancestors.get(stage_id)
-        if found is None:
-            seen: set[str] = set()
-            todo = list(self._inputs[self.index[stage_id]])
-            while todo:
-                sid = todo.pop()
-                if sid not in seen:
-                    seen.add(sid)
-                    todo.extend(self._inputs[self.index[sid]])
-            found = self._ancestors[stage_id] = frozenset(seen)
-        return found
 
 
 def topological_order(cfg: PipelineConfig) -> list[str]:
@@ -427,7 +353,7 @@ def validate(cfg: PipelineConfig) -> None:
         for j, up in enumerate(st.inputs):
             if up not in seen:
                 raise ConfigError(
-                    f"unknown input stage {up!r}; {_some(list(seen))}",
+                    f"unknown input stage {up!r}; {some_ids(list(seen))}",
                     path=f"$.stages[{i}].inputs[{j}]",
                     source=src,
                 )
