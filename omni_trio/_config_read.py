@@ -29,6 +29,7 @@ __all__ = [
     "MAX_NODES",
     "check_tree",
     "explain_validation_error",
+    "json_object",
     "read_config_file",
     "with_value",
 ]
@@ -146,7 +147,8 @@ def _load_yaml(text: str, source: str) -> Any:
         loader.dispose()
 
 
-def _json_object(pairs: list[tuple[str, Any]]) -> _Mapping:
+def json_object(pairs: list[tuple[str, Any]]) -> _Mapping:
+    """``json.loads``'s ``object_pairs_hook``: a dict that remembers duplicate keys."""
     data = _Mapping()
     for key, value in pairs:
         if key in data:
@@ -190,7 +192,7 @@ def read_config_file(path: Path) -> Any:
         if suffix == ".toml":
             return tomllib.loads(text)
         if suffix == ".json":
-            return json.loads(text, object_pairs_hook=_json_object)
+            return json.loads(text, object_pairs_hook=json_object)
         return _load_yaml(text, source)
     except ConfigError:
         raise

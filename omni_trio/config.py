@@ -15,6 +15,7 @@ returns a new one. :func:`config_schema` is the JSON Schema of the file format.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from ._config_read import check_tree, explain_validation_error, read_config_file
+from ._config_read import check_tree, explain_validation_error, json_object, read_config_file
 from ._dotted import DOTTED_PATTERN, is_dotted
 from ._stage_graph import StageGraph, some_ids
 from .errors import ConfigError
@@ -203,13 +204,14 @@ def topological_order(cfg: PipelineConfig) -> list[str]:
 def _parse_overrides(value: Any, source: str) -> dict[str, dict[str, Any]]:
     if isinstance(value, str):
         try:
-            value = msgspec.json.decode(value)
-        except msgspec.DecodeError as exc:
+            value = json.loads(value, object_pairs_hook=json_object)
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise ConfigError(
                 f"stage_overrides must be JSON (an object keyed by stage id): {exc}",
                 path="$.stage_overrides",
                 source=source,
             ) from exc
+    check_tree({"stage_overrides": value}, source)
     if not isinstance(value, Mapping) or not all(isinstance(v, Mapping) for v in value.values()):
         raise ConfigError(
             "stage_overrides must map stage ids to objects of stage keys",
@@ -284,7 +286,6 @@ def load_config(
     data.update(overrides)
     if stage_overrides is not None:
         parsed = _parse_overrides(stage_overrides, source)
-        check_tree({"stage_overrides": parsed}, source)
         stages = data.get("stages")
         if not isinstance(stages, list):
             raise ConfigError("stages must be a list", path="$.stages", source=source)

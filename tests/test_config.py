@@ -135,6 +135,15 @@ def test_stage_overrides_dict_and_json():
         load_config(linear("a", "b"), stage_overrides={"zz": {"replicas": 2}})
     with pytest.raises(ConfigError, match="stage_overrides must be JSON"):
         load_config(linear("a", "b"), stage_overrides="{not json")
+    with pytest.raises(ConfigError) as info:
+        load_config(linear("a", "b"), stage_overrides='{"a": {"replicas": 2, "replicas": 3}}')
+    assert info.value.path == "$.stage_overrides.a.replicas"
+    with pytest.raises(ConfigError, match="must be finite") as info:
+        load_config(linear("a"), stage_overrides={"a": {"stage_init_timeout": float("nan")}})
+    assert info.value.path == "$.stage_overrides.a.stage_init_timeout"
+    with pytest.raises(ConfigError, match="must be finite") as info:
+        load_config(linear("a"), shutdown_timeout=float("inf"))
+    assert info.value.path == "$.shutdown_timeout"
 
 
 def test_top_level_overrides():

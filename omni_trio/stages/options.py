@@ -258,6 +258,17 @@ def check_stage(stage: StageConfig, index: int, source: str | None) -> None:
             parse_options(declared, stage.options, where=opts_where, source=source)
     if stage.backend == "vllm":
         check_vllm_stage(stage.engine_args, stage.default_sampling_params, where, source)
+    elif stage.backend == "scripted":
+        # the one sampling param a scripted stage reads, as vLLM would: an int >= 1
+        max_tokens = stage.default_sampling_params.get("max_tokens")
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
+            raise ConfigError(
+                f"max_tokens must be an integer >= 1, got {max_tokens!r}",
+                path=f"{where}.default_sampling_params.max_tokens",
+                source=source,
+            )
 
 
 def parse_torch_options(

@@ -179,3 +179,12 @@ def test_scripted_pipeline_helper_still_takes_a_dict():
     assert cfg.stage("b").options == {"outputs": 3, "latency_s": 0.5}
     with pytest.raises(ConfigError, match=r"\.options\.outptus"):
         scripted_pipeline(["a"], outptus=3)
+
+
+def test_scripted_max_tokens_checked_at_load():
+    assert load_config(one_stage(default_sampling_params={"max_tokens": 4, "temperature": 0}))
+    for bad in ("lots", 0, True, 2.5):
+        with pytest.raises(ConfigError) as info:
+            load_config(one_stage(default_sampling_params={"max_tokens": bad}))
+        assert info.value.path == "$.stages[0].default_sampling_params.max_tokens"
+        assert "max_tokens must be an integer >= 1" in str(info.value)
