@@ -6,8 +6,8 @@ where that is cheap and safe: an engine arg whose annotation is made of plain ty
 bool, str, None, literals, lists and dicts of those) is converted with msgspec; sampling params
 are converted with ``SamplingParams`` itself (it is a msgspec Struct, whose ``__post_init__``
 also checks values). Skipped without a word when vllm is not importable: the stage's start
-reports that. The first check imports vllm (about 8 s on a 2-core CPU machine, once per process;
-the engine start would pay it anyway).
+reports that. The first check imports vllm's ``arg_utils`` and ``sampling_params`` (about 7 s
+on a 2-core CPU machine, once per process; an engine start in the same process pays it anyway).
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import types
 import typing
 from collections.abc import Mapping
 from functools import cache
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import msgspec
 
 from .._config_read import explain_validation_error, with_value
-from ..errors import BackendUnavailableError, ConfigError
+from ..errors import ConfigError
 
 __all__ = ["check_vllm_stage", "engine_arg_types"]
 
@@ -70,15 +71,21 @@ def engine_arg_types(engine_args_cls: type) -> dict[str, Any]:
     return out
 
 
-def _vllm() -> Any:
+def _vllm() -> SimpleNamespace | None:
     if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
         return None
-    from ._vllm_worker import import_vllm  # shares the worker's import lock and cache
+    # only the two modules checked here (not AsyncLLM, not trio_asyncio, whose import patches
+    # asyncio's loop policy), under the worker's lock: vllm's import cycles can deadlock two
+    # threads importing it at once
+    from ._vllm_worker import _IMPORT_LOCK
 
-    try:
-        return import_vllm()
-    except BackendUnavailableError:
-        return None
+    with _IMPORT_LOCK:
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.sampling_params import SamplingParams
+        except ImportError:
+            return None  # a broken install: the stage's start reports it
+    return SimpleNamespace(AsyncEngineArgs=AsyncEngineArgs, SamplingParams=SamplingParams)
 
 
 def _unknown(kind: str, key: str, known: typing.Iterable[str]) -> str:
