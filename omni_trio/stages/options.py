@@ -171,16 +171,15 @@ def parse_options(
     out of range (with the value), a non-finite number, or a key that belongs on the stage.
     """
     label = f"{backend} option" if backend else "option"
+    known = options_type.__struct_fields__
     for key in _MOVED_TO_STAGE:
-        if key in options:
+        if key in options and key not in known:
             raise ConfigError(
                 f"{key} is a stage key, not a {label}: write it beside `options:`",
                 path=f"{where}.{key}",
                 source=source,
             )
-    forbid = options_type.__struct_config__.forbid_unknown_fields
-    known = options_type.__struct_fields__
-    if forbid:
+    if options_type.__struct_config__.forbid_unknown_fields:
         for key in options:
             if key not in known:
                 raise ConfigError(
