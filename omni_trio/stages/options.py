@@ -13,8 +13,8 @@ the same for the options the torch backend hands on to it.
 :func:`check_stage` is everything about one stage that can be known without starting it:
 options, dotted paths (imported and checked callable), a torch weights file, and, when vllm is
 importable, ``engine_args`` against ``AsyncEngineArgs`` and ``default_sampling_params``
-against ``SamplingParams``. Importing this module is light (msgspec only); vllm is imported on
-the first check of a vllm stage (several seconds, once per process).
+against ``SamplingParams``. Importing this module imports neither torch nor vllm; vllm is
+imported on the first check of a vllm stage (several seconds, once per process).
 """
 
 from __future__ import annotations
@@ -54,9 +54,6 @@ DEFAULT_RECORD = 10_000
 DEFAULT_TORCH_FACTORY = "omni_trio.models.vocoder:build_vocoder"
 #: stage-level keys that older configs wrote inside ``options``
 _MOVED_TO_STAGE = ("shutdown_timeout",)
-
-_Seconds = Annotated[float, Meta(ge=0)]
-_PositiveSeconds = Annotated[float, Meta(gt=0)]
 
 
 class ScriptedOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
