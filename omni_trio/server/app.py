@@ -1,10 +1,10 @@
-"""The OpenAI-compatible HTTP app of one engine, and ``serve_http`` to run it with Hypercorn.
+"""The OpenAI-compatible HTTP app of one engine.
 
-``create_app(engine)`` builds a Starlette app (no middleware: any middleware added later
-must be pure ASGI, since ``BaseHTTPMiddleware`` breaks disconnect-driven cancellation).
-``serve_http(engine, host=..., port=...)`` serves it with Hypercorn's trio worker inside the
-caller's nursery, so every HTTP request's task lives beside the engine's own tasks: a client
-that disconnects cancels its request's task, and with it the request in every stage.
+``create_app(engine)`` builds a Starlette app behind :class:`~.guard.RequestGuard` (pure
+ASGI: ``BaseHTTPMiddleware`` would break disconnect-driven cancellation). Every error,
+404 and 405 included, answers with the OpenAI error body. Handlers run their engine work
+inside the response (:mod:`.responses`), so a client that disconnects cancels its request's
+task, and with it the request in every stage. :mod:`.serve` runs the app.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/audio/speech``,
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
-import trio
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from ..audio import concat_audio, sample_rate_of, wav_bytes
+from .guard import DEFAULT_MAX_BODY_BYTES, RequestGuard, request_id_of
+from .lifecycle import ServerLifecycle, ServerPhase
 from .metrics import CONTENT_TYPE, EngineMetrics
 from .protocol import (
     ChatRequest,
@@ -33,6 +35,8 @@ from .protocol import (
     audio_stage,
     chat_chunk,
     completion_chunk,
+    decode_json,
+    error_body,
     now,
     openai_finish_reason,
     parse_chat,
@@ -41,18 +45,37 @@ from .protocol import (
     text_stage,
     usage,
 )
-from .responses import EngineJSONResponse, EventStreamResponse, error_for
+from .responses import Computed, EngineJSONResponse, EventStreamResponse, error_for
 
-__all__ = ["create_app", "health_report", "serve_http"]
+__all__ = ["create_app", "health_report", "json_response"]
 
 logger = logging.getLogger(__name__)
 
 
-def health_report(stats: Any) -> tuple[int, dict[str, Any]]:
-    """``(200, ...)`` when every stage has a live replica and the engine is open, else
-    ``(503, ...)`` naming the stages without one. Pure (takes EngineStatistics)."""
+def json_response(
+    body: Any, status: int = 200, headers: Mapping[str, str] | None = None
+) -> Response:
+    """A JSON response, ASCII-escaped (no string in it can fail to encode). Synchronous."""
+    return Response(
+        json.dumps(body), status_code=status, headers=headers, media_type="application/json"
+    )
+
+
+def health_report(
+    stats: Any, phase: ServerPhase = ServerPhase.SERVING
+) -> tuple[int, dict[str, Any]]:
+    """``(200, ...)`` when the server serves, every stage has a live replica and the engine
+    is open; else ``(503, ...)`` with ``status`` ``starting`` (the stages are starting),
+    ``stopping`` (shutdown), ``closed`` or ``unhealthy`` (naming the stages without a live
+    replica). Pure (takes EngineStatistics and the server's phase)."""
     dead = [st.stage_id for st in stats.stages if st.live_replicas == 0]
     stages = {st.stage_id: {"live_replicas": st.live_replicas} for st in stats.stages}
+    if phase is ServerPhase.STARTING:
+        message = "the pipeline's stages are starting; completions answer 503 until ready"
+        return 503, {"status": "starting", "message": message, "stages": stages}
+    if phase is not ServerPhase.SERVING:
+        message = "the server is shutting down and takes no new requests"
+        return 503, {"status": "stopping", "message": message, "stages": stages}
     if stats.closed:
         return 503, {"status": "closed", "message": "the engine is closed", "stages": stages}
     if dead:
@@ -74,21 +97,16 @@ def _prompt_tokens(metrics: Any) -> int:
     return 0
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestValidationError(f"the request body is not valid JSON: {exc}") from None
-
-
 class _Handlers:
     """The endpoints of one engine (kept on an object so they share engine and metrics)."""
 
-    def __init__(self, engine: Any, metrics: EngineMetrics, model: str) -> None:
+    def __init__(
+        self, engine: Any, metrics: EngineMetrics, model: str, lifecycle: ServerLifecycle
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model = model
+        self.lifecycle = lifecycle
         self.text_stage = text_stage(engine.config)
         self.audio_stage = audio_stage(engine.config)
 
@@ -104,13 +122,14 @@ class _Handlers:
     async def _guard(
         self, request: Request, parse: Callable[[Any, str], Any]
     ) -> Response | tuple[Any, str]:
+        # the guard middleware read the body already (bounded) and gave the request an id:
+        # random, so that two servers' logs never collide
         try:
-            parsed = parse(await _json_body(request), self.model)
+            parsed = parse(decode_json(await request.body()), self.model)
         except RequestValidationError as exc:
             status, body = error_for(exc)
-            return JSONResponse(body, status_code=status)
-        # OpenAI-style ids; random so that two servers' logs never collide
-        return parsed, uuid.uuid4().hex[:24]
+            return json_response(body, status)
+        return parsed, request_id_of(request.scope)
 
     async def chat(self, request: Request) -> Any:
         got = await self._guard(request, parse_chat)
@@ -119,8 +138,10 @@ class _Handlers:
         req, rid = got
         rid = f"chatcmpl-{rid}"
         if req.stream:
-            return EventStreamResponse(self._chat_events(req, rid))
-        return EngineJSONResponse(lambda: self._complete(req, rid, chat=True))
+            return EventStreamResponse(self._chat_events(req, rid), lifecycle=self.lifecycle)
+        return EngineJSONResponse(
+            lambda: self._complete(req, rid, chat=True), lifecycle=self.lifecycle
+        )
 
     async def completions(self, request: Request) -> Any:
         got = await self._guard(request, parse_completion)
@@ -129,12 +150,14 @@ class _Handlers:
         req, rid = got
         rid = f"cmpl-{rid}"
         if req.stream:
-            return EventStreamResponse(self._completion_events(req, rid))
-        return EngineJSONResponse(lambda: self._complete(req, rid, chat=False))
+            return EventStreamResponse(self._completion_events(req, rid), lifecycle=self.lifecycle)
+        return EngineJSONResponse(
+            lambda: self._complete(req, rid, chat=False), lifecycle=self.lifecycle
+        )
 
     async def _complete(
         self, req: ChatRequest | CompletionRequest, rid: str, *, chat: bool
-    ) -> tuple[int, Any, None]:
+    ) -> Computed:
         text, n_tokens, prompt_tokens, reason = [], 0, 0, None
         async with self._text_stream(req.prompt, req.sampling, rid) as stream:
             async for out in stream:
@@ -227,10 +250,10 @@ class _Handlers:
                     param="model",
                 )
             )
-            return JSONResponse(body, status_code=status)
+            return json_response(body, status)
         options = self.engine.config.stage(stage).options
 
-        async def compute() -> tuple[int, bytes, list]:
+        async def compute() -> Computed:
             chunks, rate = [], None
             sampling = {self.text_stage: req.sampling} if req.sampling else None
             async with self.engine.generate(
@@ -248,15 +271,15 @@ class _Handlers:
             headers = [(b"content-type", b"audio/wav"), (b"content-length", str(len(wav)).encode())]
             return 200, wav, headers
 
-        return EngineJSONResponse(compute, raw=True)
+        return EngineJSONResponse(compute, raw=True, lifecycle=self.lifecycle)
 
     async def models(self, request: Request) -> Response:
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "omni-trio"}
-        return JSONResponse({"object": "list", "data": [card]})
+        return json_response({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
-        status, body = health_report(self.engine.statistics())
-        return JSONResponse(body, status_code=status)
+        status, body = health_report(self.engine.statistics(), self.lifecycle.phase)
+        return json_response(body, status)
 
     async def prometheus(self, request: Request) -> Response:
         return Response(
@@ -264,14 +287,45 @@ class _Handlers:
         )
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """404, 405 (and any other HTTPException) with the OpenAI error body."""
+    assert isinstance(exc, HTTPException)
+    status, method, path = exc.status_code, request.method, request.url.path
+    if status == 404:
+        message, code = f"no endpoint {path}", "not_found"
+    elif status == 405:
+        headers = {k.lower(): v for k, v in (exc.headers or {}).items()}
+        allowed = headers.get("allow", "")
+        message = f"{path} does not accept {method}; allowed: {allowed}"
+        code = "method_not_allowed"
+    else:
+        message, code = str(exc.detail), None
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return json_response(error_body(message, type_=kind, code=code), status, exc.headers)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    """A bug: the OpenAI error body; Starlette re-raises, so the traceback is logged."""
+    body = error_body(f"internal server error: {type(exc).__name__}", type_="server_error")
+    return json_response(body, 500)
+
+
 def create_app(
-    engine: Any, *, metrics: EngineMetrics | None = None, model: str | None = None
+    engine: Any,
+    *,
+    metrics: EngineMetrics | None = None,
+    model: str | None = None,
+    lifecycle: ServerLifecycle | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Starlette:
     """The ASGI app serving ``engine``. Synchronous. ``metrics`` defaults to a new
     :class:`EngineMetrics` attached to the engine; ``model`` (the id clients must send)
-    defaults to the pipeline's name. The app's ``state.metrics`` holds the metrics."""
+    defaults to the pipeline's name; ``lifecycle`` (the server's phase: starting, serving,
+    shutting down) defaults to one already serving; request bodies over ``max_body_bytes``
+    get 413. ``app.state`` holds ``metrics``, ``engine`` and ``lifecycle``."""
     metrics = metrics or EngineMetrics(engine)
-    h = _Handlers(engine, metrics, model or engine.config.name)
+    lifecycle = lifecycle or ServerLifecycle()
+    h = _Handlers(engine, metrics, model or engine.config.name, lifecycle)
     routes = [
         Route("/v1/chat/completions", h.chat, methods=["POST"]),
         Route("/v1/completions", h.completions, methods=["POST"]),
@@ -280,48 +334,13 @@ def create_app(
         Route("/health", h.health, methods=["GET"]),
         Route("/metrics", h.prometheus, methods=["GET"]),
     ]
-    app = Starlette(routes=routes)
+    guard = Middleware(RequestGuard, lifecycle=lifecycle, max_body_bytes=max_body_bytes)
+    app = Starlette(
+        routes=routes,
+        middleware=[guard],
+        exception_handlers={HTTPException: _http_error, Exception: _unexpected_error},
+    )
     app.state.metrics = metrics
     app.state.engine = engine
+    app.state.lifecycle = lifecycle
     return app
-
-
-def _bound_port(binds: list[str]) -> int:
-    # hypercorn reports "http://127.0.0.1:54321"; the port is what a caller needs for port 0
-    return int(binds[0].rsplit(":", 1)[1])
-
-
-async def serve_http(
-    engine: Any,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
-    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
-    grace_period: float = 10.0,
-    app: Any = None,
-) -> None:
-    """Serve ``engine`` over HTTP until cancelled or until ``shutdown_trigger()`` returns.
-
-    Reports the bound port with ``task_status.started(port)`` (``port=0`` picks a free one).
-    On shutdown it stops accepting connections, lets in-flight requests finish for up to
-    ``grace_period`` seconds, then cancels them (which aborts them in every stage), and
-    returns. Cancellation stops the server the same way, without the grace period.
-    Raises OSError if the address cannot be bound."""
-    from hypercorn.config import Config
-    from hypercorn.trio import serve
-
-    config = Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    config.graceful_timeout = grace_period
-    config.accesslog = None
-    config.errorlog = logging.getLogger("omni_trio.server.hypercorn")
-    config.keep_alive_timeout = 5.0
-    asgi: Any = app if app is not None else create_app(engine)
-
-    async def run(*, task_status: trio.TaskStatus[list[str]]) -> None:
-        await serve(asgi, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
-
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(run)
-        task_status.started(_bound_port(binds))

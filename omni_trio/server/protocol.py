@@ -2,11 +2,15 @@
 
 Everything here is pure and synchronous. Request bodies are validated by hand (no pydantic)
 so that a 400's message says exactly which field is wrong and why; every problem raises
-:class:`RequestValidationError` carrying the OpenAI ``param`` name.
+:class:`RequestValidationError` carrying the OpenAI ``param`` name. :func:`decode_json`
+turns raw bytes into JSON values that every later step can handle: strict UTF-8, nesting
+the parser can take, no lone surrogates (they cannot be encoded again).
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,9 +23,11 @@ __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "RequestValidationError",
+    "RequestTooLargeError",
     "SpeechRequest",
     "audio_stage",
     "chat_prompt",
+    "decode_json",
     "parse_chat",
     "parse_completion",
     "parse_speech",
@@ -39,6 +45,77 @@ class RequestValidationError(InvalidRequestError):
     def __init__(self, message: str, *, param: str | None = None) -> None:
         self.param = param
         super().__init__(message)
+
+
+class RequestTooLargeError(RequestValidationError):
+    """The request body is larger than the server accepts (HTTP 413)."""
+
+    def __init__(self, limit: int, *, declared: int | None = None) -> None:
+        self.limit = limit
+        self.declared = declared
+        size = f"declares {declared} bytes" if declared is not None else "has more bytes"
+        super().__init__(f"the request body {size}; this server accepts at most {limit} bytes")
+
+
+# a surrogate escape (paired or not); paired ones decode to one code point
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _find_lone_surrogate(value: Any) -> str | None:
+    """The JSON path of the first string (key or value) holding a lone surrogate, or None.
+    Iterative: the value may nest as deep as the parser allowed."""
+    todo: list[tuple[str, Any]] = [("$", value)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, str):
+            if _has_surrogate(v):
+                return path
+        elif isinstance(v, dict):
+            for key, item in v.items():
+                if _has_surrogate(key):
+                    return f"{path} (a key)"
+                todo.append((f"{path}.{key}", item))
+        elif isinstance(v, list):
+            todo.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def decode_json(raw: bytes) -> Any:
+    """Parse a request body. Raises RequestValidationError (400) naming what is wrong: not
+    UTF-8, not JSON, nested deeper than the parser can go, or a string with a lone UTF-16
+    surrogate (valid JSON, but no valid text: it could not be encoded again). Pure."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestValidationError(
+            f"the request body is not valid UTF-8 (byte {exc.start}: {exc.reason})"
+        ) from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RequestValidationError(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise RequestValidationError(
+            "the request body nests JSON arrays/objects too deeply for the parser "
+            "(keep nesting under a few hundred levels)"
+        ) from None
+    if _SURROGATE_ESCAPE.search(text):
+        where = _find_lone_surrogate(value)
+        if where is not None:
+            raise RequestValidationError(
+                f"the request body has a lone UTF-16 surrogate escape in the string at {where}; "
+                "strings must be valid Unicode (a high surrogate \\uD800-\\uDBFF followed by a "
+                "low one \\uDC00-\\uDFFF, or none)"
+            )
+    return value
 
 
 def _is_int(v: Any) -> bool:
@@ -260,7 +337,10 @@ def parse_speech(body: Any, model: str) -> SpeechRequest:
 # -- response bodies ----------------------------------------------------------------------------
 
 
-def error_body(message: str, *, type_: str, param: str | None = None, code: Any = None) -> dict:
+def error_body(
+    message: str, *, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """The OpenAI error body: ``{"error": {message, type, param, code}}``. Pure."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -272,7 +352,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None) -> dict:
+def chat_chunk(
+    rid: str, model: str, created: int, delta: dict[str, Any], finish: str | None
+) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -282,7 +364,9 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | No
     }
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None) -> dict:
+def completion_chunk(
+    rid: str, model: str, created: int, text: str, finish: str | None
+) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "text_completion",

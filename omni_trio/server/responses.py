@@ -1,4 +1,4 @@
-"""Pure-ASGI responses that run engine work inside the response, under a disconnect watch.
+"""Pure-ASGI responses that run engine work inside the response, under two watches.
 
 Why not Starlette's ``StreamingResponse``: when a client disconnects while the body
 iterator is suspended at a ``yield``, Starlette cancels its task group but never closes the
@@ -6,6 +6,11 @@ iterator, so the ``async with engine.generate(...)`` inside it would stay open (
 would keep running for nobody) until garbage collection. Here the iterator is always closed
 (``aclosing``) before the response returns, and admission happens before the status line is
 sent, so an overloaded engine still answers 429 instead of a broken 200 stream.
+
+The two watches: a client disconnect cancels the work (which aborts the request in every
+stage); the server's shutdown cut (:class:`~.lifecycle.ServerLifecycle`, the end of the
+grace period) cancels it too, and then the client is told: a stream ends with an SSE error
+event of code ``server_shutdown`` and ``[DONE]``, a response not started yet is a 503.
 """
 
 from __future__ import annotations
@@ -25,21 +30,30 @@ from ..errors import (
     OmniTrioError,
     StageError,
 )
-from .protocol import RequestValidationError, error_body
+from .asgi import Headers, Receive, Scope, Send, note, send_json
+from .lifecycle import ServerLifecycle
+from .protocol import RequestTooLargeError, RequestValidationError, error_body
 
-__all__ = ["EngineJSONResponse", "EventStreamResponse", "error_for", "send_json"]
+__all__ = [
+    "EngineJSONResponse",
+    "EventStreamResponse",
+    "error_for",
+    "send_json",
+    "shutdown_error",
+    "sse",
+]
 
 logger = logging.getLogger(__name__)
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+Computed = tuple[int, Any, Headers | None]
 
 
 def error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """HTTP status and OpenAI error body for an engine/request error (pure).
 
     400 invalid request, 429 overloaded, 503 engine closed, 500 stage failure."""
+    if isinstance(exc, RequestTooLargeError):
+        return 413, error_body(str(exc), type_="invalid_request_error", code="request_too_large")
     if isinstance(exc, RequestValidationError):
         return 400, error_body(str(exc), type_="invalid_request_error", param=exc.param)
     if isinstance(exc, InvalidRequestError):
@@ -56,55 +70,92 @@ def error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
     return 500, error_body(f"{type(exc).__name__}: {exc}", type_="server_error")
 
 
-async def send_json(send: Send, status: int, body: Any, headers: list | None = None) -> None:
-    """Send a whole JSON response. Checkpoints."""
-    payload = json.dumps(body).encode("utf-8")
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-                *(headers or []),
-            ],
-        }
+def shutdown_error() -> dict[str, Any]:
+    """The error body of work cut at the end of the shutdown grace period. Pure."""
+    return error_body(
+        "the server is shutting down: the grace period for in-flight requests is over",
+        type_="server_error",
+        code="server_shutdown",
     )
-    await send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
-async def _watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
-    # the request body was read already: the next message is the disconnect
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            scope.cancel()
-            return
+def sse(data: Any) -> bytes:
+    """One server-sent event carrying ``data`` (JSON-encoded unless it is a str). Pure."""
+    text = data if isinstance(data, str) else json.dumps(data)
+    return f"data: {text}\n\n".encode()
+
+
+class _Watch:
+    """Runs ``work`` in a scope that a client disconnect or the shutdown cut cancels, and
+    says which of the two ended it (if either did)."""
+
+    def __init__(self, scope: Scope, receive: Receive, lifecycle: ServerLifecycle | None):
+        self._scope = scope
+        self._receive = receive
+        self._lifecycle = lifecycle
+        self.disconnected = False
+        self.cut = False
+
+    async def run(self, work: Callable[[], Awaitable[None]]) -> None:
+        """Checkpoints. Returns when ``work`` returns or once a watch cancelled it."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._disconnect, nursery.cancel_scope)
+            if self._lifecycle is not None:
+                nursery.start_soon(self._cut, self._lifecycle, nursery.cancel_scope)
+            await work()
+            nursery.cancel_scope.cancel()
+
+    async def _disconnect(self, scope: trio.CancelScope) -> None:
+        # the request body was read already: the next message is the disconnect
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected = True
+                note(self._scope, "client disconnected")
+                scope.cancel()
+                return
+
+    async def _cut(self, lifecycle: ServerLifecycle, scope: trio.CancelScope) -> None:
+        await lifecycle.wait_cut()
+        self.cut = True
+        note(self._scope, "cut by server shutdown")
+        scope.cancel()
 
 
 class EngineJSONResponse:
     """Runs ``compute()`` (returns ``(status, body, headers)``) and sends its result; a client
-    disconnect cancels ``compute`` (so its ``async with engine.generate`` aborts the request).
+    disconnect cancels ``compute`` (so its ``async with engine.generate`` aborts the request),
+    and so does the shutdown cut (then the answer is 503 ``server_shutdown``).
     Omni-trio errors become OpenAI error bodies (:func:`error_for`)."""
 
     def __init__(
-        self, compute: Callable[[], Awaitable[tuple[int, Any, list | None]]], *, raw: bool = False
+        self,
+        compute: Callable[[], Awaitable[Computed]],
+        *,
+        raw: bool = False,
+        lifecycle: ServerLifecycle | None = None,
     ) -> None:
         self._compute = compute
         self._raw = raw
+        self._lifecycle = lifecycle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        result: tuple[int, Any, list | None] | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
+        result: Computed | None = None
+
+        async def work() -> None:
+            nonlocal result
             try:
                 result = await self._compute()
             except OmniTrioError as exc:
                 status, body = error_for(exc)
                 result = (status, body, None)
-            nursery.cancel_scope.cancel()
-        if result is None:  # the client went away: nobody to answer
-            return
+
+        watch = _Watch(scope, receive, self._lifecycle)
+        await watch.run(work)
+        if result is None:
+            if watch.cut and not watch.disconnected:
+                await send_json(send, 503, shutdown_error())
+            return  # else the client went away: nobody to answer
         status, body, headers = result
         if self._raw:
             await send({"type": "http.response.start", "status": status, "headers": headers or []})
@@ -113,26 +164,38 @@ class EngineJSONResponse:
             await send_json(send, status, body, headers)
 
 
-def sse(data: Any) -> bytes:
-    """One server-sent event carrying ``data`` (JSON-encoded unless it is a str)."""
-    text = data if isinstance(data, str) else json.dumps(data)
-    return f"data: {text}\n\n".encode()
-
-
 class EventStreamResponse:
     """Streams the JSON events an async generator yields as ``text/event-stream``, then
     ``data: [DONE]``. The first event is pulled before the status line, so admission errors
     answer with a status code; an error later becomes an ``error`` event. A disconnect
-    cancels the generator, and the generator is always closed before this returns."""
+    cancels the generator, and the generator is always closed before this returns. The
+    shutdown cut closes the generator, then sends a ``server_shutdown`` error event and
+    ``[DONE]`` (if the client's socket takes them: the server abandons a write that stays
+    blocked)."""
 
-    def __init__(self, events: AsyncGenerator[Any, None]) -> None:
+    def __init__(
+        self, events: AsyncGenerator[Any, None], *, lifecycle: ServerLifecycle | None = None
+    ) -> None:
         self._events = events
+        self._lifecycle = lifecycle
+        self._started = False
+        self._ended = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with aclosing(self._events) as events, trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
-            await self._stream(events, send)
-            nursery.cancel_scope.cancel()
+        watch = _Watch(scope, receive, self._lifecycle)
+        async with aclosing(self._events) as events:
+            await watch.run(lambda: self._stream(events, send))
+        # the generator is closed: the request was aborted in every stage if it had not ended
+        if watch.cut and not watch.disconnected and not self._ended:
+            if self._started:
+                await self._send_body(send, sse(shutdown_error()), True)
+                await self._send_body(send, sse("[DONE]"), False)
+            else:
+                await send_json(send, 503, shutdown_error())
+
+    async def _send_body(self, send: Send, chunk: bytes, more: bool) -> None:
+        await send({"type": "http.response.body", "body": chunk, "more_body": more})
+        self._ended = not more
 
     async def _stream(self, events: AsyncGenerator[Any, None], send: Send) -> None:
         try:
@@ -141,8 +204,10 @@ class EventStreamResponse:
             first = None
         except OmniTrioError as exc:
             status, body = error_for(exc)
+            self._ended = True
             await send_json(send, status, body)
             return
+        self._started = True
         await send(
             {
                 "type": "http.response.start",
@@ -155,12 +220,11 @@ class EventStreamResponse:
         )
         try:
             if first is not None:
-                await send({"type": "http.response.body", "body": sse(first), "more_body": True})
+                await self._send_body(send, sse(first), True)
                 async for event in events:
-                    chunk = sse(event)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await self._send_body(send, sse(event), True)
         except OmniTrioError as exc:
             _, error = error_for(exc)
             logger.info("stream failed after it started: %s", exc)
-            await send({"type": "http.response.body", "body": sse(error), "more_body": True})
-        await send({"type": "http.response.body", "body": sse("[DONE]"), "more_body": False})
+            await self._send_body(send, sse(error), True)
+        await self._send_body(send, sse("[DONE]"), False)
