@@ -113,6 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     serve.add_argument("--grace-period", type=float, default=10.0, help="seconds (10)")
+    serve.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        help="larger request bodies get 413 (16 MiB)",
+    )
+    serve.add_argument(
+        "--no-access-log",
+        action="store_true",
+        help="do not log one line per request (method, path, status, request id, duration)",
+    )
 
     validate = sub.add_parser(
         "validate",
@@ -192,11 +203,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, config: Any) -> None:
-    from .engine import open_engine
-    from .server import serve_http
+    from .server import serve_engine
 
     shutdown = trio.Event()
     serving = False
+    engine: Any = None
 
     async def watch(signals: Any, scope: trio.CancelScope) -> None:
         async for signum in signals:
@@ -204,7 +215,7 @@ async def _serve(args: argparse.Namespace, config: Any) -> None:
             if serving and not shutdown.is_set():
                 print(
                     f"omni-trio: {name}: stopping; in-flight requests get "
-                    f"{args.grace_period}s to finish",
+                    f"{args.grace_period}s to finish (again to stop now)",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -214,32 +225,45 @@ async def _serve(args: argparse.Namespace, config: Any) -> None:
                 shutdown.set()
                 scope.cancel()
 
+    def ready(started: Any, port: int) -> None:
+        nonlocal serving, engine
+        serving, engine = True, started
+        if args.log_stats:
+            print(format_init_table(started), flush=True)
+        print(
+            f"omni-trio: serving {config.name!r} on http://{args.host}:{port} "
+            f"(model id {config.name!r}; Ctrl+C to stop)",
+            flush=True,
+        )
+
+    async def run(nursery: trio.Nursery) -> None:
+        port = await nursery.start(
+            partial(
+                serve_engine,
+                config,
+                host=args.host,
+                port=args.port,
+                shutdown_trigger=shutdown.wait,
+                grace_period=args.grace_period,
+                max_body_bytes=args.max_body_bytes,
+                on_ready=ready,
+            )
+        )
+        # bound before any stage starts: a taken port has failed already
+        print(
+            f"omni-trio: listening at http://{args.host}:{port}; starting "
+            f"{len(config.stages)} stage(s) (/health answers 503 until they are ready)",
+            flush=True,
+        )
+
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch, signals, nursery.cancel_scope)
-            async with open_engine(config) as engine:
-                if args.log_stats:
-                    print(format_init_table(engine), flush=True)
-                async with trio.open_nursery() as server:
-                    port = await server.start(
-                        partial(
-                            serve_http,
-                            engine,
-                            host=args.host,
-                            port=args.port,
-                            shutdown_trigger=shutdown.wait,
-                            grace_period=args.grace_period,
-                        )
-                    )
-                    serving = True
-                    print(
-                        f"omni-trio: serving {config.name!r} on http://{args.host}:{port} "
-                        f"(model id {config.name!r}; Ctrl+C to stop)",
-                        flush=True,
-                    )
-                if args.log_stats:
-                    print(format_statistics(engine.statistics()), flush=True)
+            async with trio.open_nursery() as server:
+                await run(server)
             nursery.cancel_scope.cancel()
+    if args.log_stats and engine is not None:
+        print(format_statistics(engine.statistics()), flush=True)
     print("omni-trio: server stopped", flush=True)
 
 
@@ -249,7 +273,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.grace_period < 0:
         raise UsageError(f"--grace-period must be >= 0, got {args.grace_period}")
-    trio.run(_serve, args, config)
+    if args.max_body_bytes < 1:
+        raise UsageError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    access = logging.getLogger("omni_trio.server.access")
+    # one INFO line per request, on the terminal (the log file gets it too)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    if not args.no_access_log:
+        access.setLevel(logging.INFO)
+        access.addHandler(handler)
+    try:
+        trio.run(_serve, args, config)
+    finally:
+        access.removeHandler(handler)
+        access.setLevel(logging.NOTSET)
     return 0
 
 
