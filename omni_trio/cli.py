@@ -294,11 +294,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
     """Everything knowable without starting an engine (see omni_trio.config); a failure is
     a ConfigError: one line naming the file and JSON path, exit 2 (see main)."""
     config = _load(args.config)
+    shown = 12  # a 20,000-stage pipeline still gets one readable line
     chain = ", ".join(
         f"{st.id}({st.backend}{' <- ' + '+'.join(st.inputs) if st.inputs else ''})"
-        for st in config.stages
+        for st in config.stages[:shown]
     )
-    print(f"OK: {config.source}: pipeline {config.name!r}, {len(config.stages)} stages: {chain}")
+    more = f", ... ({len(config.stages) - shown} more)" if len(config.stages) > shown else ""
+    print(
+        f"OK: {config.source}: pipeline {config.name!r}, {len(config.stages)} stages: "
+        f"{chain}{more}"
+    )
     return 0
 
 

@@ -550,3 +550,14 @@ def test_cli_validate_ok(tmp_path, capsys):
     path = write(tmp_path, "ok.yaml", one_stage_yaml())
     assert main(["validate", str(path)]) == 0
     assert capsys.readouterr().out.startswith(f"OK: {path}: pipeline 't', 1 stages")
+
+
+def test_cli_validate_keeps_one_line_for_a_big_pipeline(tmp_path, capsys):
+    from omni_trio.cli import main
+
+    stages = [stage(f"s{i}", inputs=[f"s{i - 1}"] if i else []) for i in range(100)]
+    stages[-1]["final_output"] = True
+    path = write(tmp_path, "big.json", json.dumps({"name": "big", "stages": stages}))
+    assert main(["validate", str(path)]) == 0
+    out = capsys.readouterr().out.strip()
+    assert len(out.splitlines()) == 1 and out.endswith("s11(scripted <- s10), ... (88 more)")
