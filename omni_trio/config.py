@@ -35,6 +35,7 @@ __all__ = [
     "OUTPUT_TYPES",
     "PipelineConfig",
     "StageConfig",
+    "check_vllm_stages",
     "config_schema",
     "load_config",
     "topological_order",
@@ -241,6 +242,9 @@ def _as_data(cfg: PipelineConfig) -> dict[str, Any]:
 
 def load_config(
     config: PipelineConfig | Mapping[str, Any] | str | os.PathLike[str],
+    /,
+    *,
+    check_vllm: bool = True,
     **overrides: Any,
 ) -> PipelineConfig:
     """Load, override and validate a pipeline config.
@@ -250,7 +254,10 @@ def load_config(
     JSON string ``{"talker": {"replicas": 2}}``) is deep-merged into the named stages.
     Blocking, does not checkpoint: it reads the file and imports the modules the config
     names (vllm too, for a vllm stage, when installed: several seconds the first time).
-    Raises :class:`ConfigError` naming the source and path.
+    ``check_vllm=False`` leaves out the checks of vllm stages' ``engine_args`` and
+    ``default_sampling_params`` (run them later with :func:`check_vllm_stages`;
+    ``open_engine`` does, in a worker thread, so the caller's event loop never blocks on
+    importing vllm). Raises :class:`ConfigError` naming the source and path.
     """
     source = "<dict>"
     raw: Any
@@ -310,11 +317,24 @@ def load_config(
         hint = _BOUND_HINTS.get(where.rpartition(".")[2], "")
         raise ConfigError(reason + hint, path=where, source=source) from None
     cfg.source = source
-    validate(cfg)
+    validate(cfg, check_vllm=check_vllm)
     return cfg
 
 
-def validate(cfg: PipelineConfig) -> None:
+def check_vllm_stages(cfg: PipelineConfig) -> None:
+    """Check every vllm stage's ``engine_args`` and ``default_sampling_params`` against vLLM's
+    own fields (when vllm is installed). Blocking: imports vllm (seconds, once per process).
+    Raises :class:`ConfigError` naming the path."""
+    from .stages._vllm_fields import check_vllm_stage
+
+    for i, st in enumerate(cfg.stages):
+        if st.backend == "vllm":
+            check_vllm_stage(
+                st.engine_args, st.default_sampling_params, f"$.stages[{i}]", cfg.source
+            )
+
+
+def validate(cfg: PipelineConfig, *, check_vllm: bool = True) -> None:
     """Check the stage graph and every stage (see the module docstring). Blocking (imports
     the modules the config names). Raises :class:`ConfigError` at the first problem."""
     from .stages.options import check_stage
@@ -373,7 +393,7 @@ def validate(cfg: PipelineConfig) -> None:
             source=src,
         )
     for i, st in enumerate(cfg.stages):
-        check_stage(st, i, src)
+        check_stage(st, i, src, check_vllm=check_vllm)
 
 
 def config_schema() -> dict[str, Any]:

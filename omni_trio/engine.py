@@ -37,7 +37,7 @@ from typing import overload
 
 import trio
 
-from .config import PipelineConfig, load_config
+from .config import PipelineConfig, check_vllm_stages, load_config
 from .errors import (
     EngineClosedError,
     InvalidRequestError,
@@ -98,8 +98,9 @@ def single_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | Non
 class Engine:
     """A running pipeline. Get one from :func:`open_engine`; it is valid inside that block."""
 
-    def __init__(self, config: PipelineConfig) -> None:
+    def __init__(self, config: PipelineConfig, *, check_vllm: bool = False) -> None:
         self.config = config
+        self._check_vllm = check_vllm and any(st.backend == "vllm" for st in config.stages)
         self.pools: dict[str, StagePool] = {
             st.id: StagePool(st, stage_index=i, shutdown_timeout=config.shutdown_timeout)
             for i, st in enumerate(config.stages)
@@ -126,6 +127,10 @@ class Engine:
         self._state = "starting"
         session = self._run()
         try:
+            if self._check_vllm:
+                # vLLM's own field checks import vllm: seconds, so never on this event loop
+                await trio.to_thread.run_sync(check_vllm_stages, self.config)
+                self._check_vllm = False
             await session.__aenter__()
         except BaseExceptionGroup as group:
             self._state = "closed"
@@ -530,7 +535,9 @@ def open_engine(
     top-level keys (``stage_init_timeout=60``, ``stage_overrides={"talker": {...}}``).
     Entering starts every stage in parallel (each under its ``stage_init_timeout``, all under
     ``init_timeout``) and raises :class:`StageStartError` naming the stage(s) that failed,
-    after stopping the others. Raises :class:`ConfigError` for a bad config (synchronously).
+    after stopping the others. Raises :class:`ConfigError` for a bad config: synchronously,
+    except for the checks of vllm stages' ``engine_args`` against vLLM's fields, which run in
+    a worker thread when the session is entered (importing vllm takes seconds).
     See the module docstring for the whole exception policy.
     """
-    return Engine(load_config(config, **overrides))
+    return Engine(load_config(config, check_vllm=False, **overrides), check_vllm=True)

@@ -238,3 +238,22 @@ async def test_abort_many_and_nowait(autojump_clock):
             nursery.cancel_scope.cancel()
         assert_nothing_in_flight(engine)
         assert engine.statistics().requests_aborted == 3
+
+
+@pytest.mark.vllm
+async def test_vllm_engine_args_are_checked_off_the_event_loop_before_any_start():
+    cfg = {
+        "stages": [
+            {
+                "id": "t",
+                "backend": "vllm",
+                "engine_args": {"model": "tiny:thinker", "max_modle_len": 64},
+                "final_output": True,
+            }
+        ]
+    }
+    engine = omni_trio.open_engine(cfg)  # synchronous and fast: vllm is not imported here
+    with pytest.raises(omni_trio.ConfigError, match="'max_modle_len'.*did you mean"):
+        async with engine:
+            pytest.fail("started with a misspelt engine arg")
+    assert engine.statistics().stages[0].live_replicas == 0

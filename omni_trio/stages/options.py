@@ -220,7 +220,9 @@ def options_type_of(factory: object) -> type[msgspec.Struct] | None:
     return None
 
 
-def check_stage(stage: StageConfig, index: int, source: str | None) -> None:
+def check_stage(
+    stage: StageConfig, index: int, source: str | None, *, check_vllm: bool = True
+) -> None:
     """Check one stage as far as possible without starting it (see the module docstring).
 
     Imports the modules its dotted paths name (and vllm, for a vllm stage, when installed).
@@ -252,7 +254,7 @@ def check_stage(stage: StageConfig, index: int, source: str | None) -> None:
         declared = options_type_of(factory)
         if declared is not None:
             parse_options(declared, stage.options, where=opts_where, source=source)
-    if stage.backend == "vllm":
+    if stage.backend == "vllm" and check_vllm:
         check_vllm_stage(stage.engine_args, stage.default_sampling_params, where, source)
     elif stage.backend == "scripted":
         # the one sampling param a scripted stage reads, as vLLM would: an int >= 1
