@@ -315,7 +315,7 @@ class TorchBackend(StageBackend):
             await emit(_output(info, None, 0, chunk_index, True))
 
     # -- control -------------------------------------------------------------------------
-    async def _rpc(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    async def _rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         info = self._info
         assert info is not None
         described = info.describe()
