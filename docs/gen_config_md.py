@@ -18,8 +18,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 OUTPUT = Path(__file__).resolve().parent / "config.md"
 
 HEADER = """\
@@ -40,10 +38,10 @@ what the key does. Types are JSON Schema types; `A | B` means either.
 
 
 def load_schema() -> dict[str, Any]:
-    """The pipeline config's JSON Schema (``PipelineConfig`` and everything it references)."""
-    from omni_trio.config import PipelineConfig
+    """The pipeline config's JSON Schema, as ``omni-trio schema`` prints it."""
+    from omni_trio.config import config_schema
 
-    return msgspec.json.schema(PipelineConfig)
+    return config_schema()
 
 
 # -- rendering (pure) ------------------------------------------------------------------------

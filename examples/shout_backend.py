@@ -15,8 +15,9 @@ from typing import Annotated, Any
 import msgspec
 import trio
 
-from omni_trio import ConfigError, InvalidRequestError, StageConfig, StageInput, StageOutput
+from omni_trio import InvalidRequestError, StageConfig, StageInput, StageOutput
 from omni_trio.stages import StageBackend, collect_input
+from omni_trio.stages.options import parse_options
 
 # the types of _run's arguments
 InputStream = trio.MemoryReceiveChannel[StageInput]
@@ -29,8 +30,9 @@ class ShoutBackend(StageBackend):
     backend_name = "shout"
 
     class Options(msgspec.Struct, forbid_unknown_fields=True):
-        """The stage's ``options:``. Declared as a Struct, they are type-checked (a typo or
-        a negative delay is a ConfigError naming ``$.stages[i].options.<key>``)."""
+        """The stage's ``options:``. Declared as a Struct on the factory, they are checked
+        when the config is loaded (a typo or a negative delay is a ConfigError naming
+        ``$.stages[i].options.<key>`` and the file), before any engine starts."""
 
         #: trio-clock delay per word, standing in for the time a model takes per token
         delay_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
@@ -38,10 +40,9 @@ class ShoutBackend(StageBackend):
     def __init__(self, config: StageConfig, *, stage_index: int, replica: int = 0) -> None:
         # one instance per replica; the base class keeps the per-request bookkeeping
         super().__init__(config, stage_index=stage_index, replica=replica)
-        try:
-            options = msgspec.convert(config.options, self.Options)
-        except msgspec.ValidationError as exc:
-            raise ConfigError(str(exc), path=f"$.stages[{stage_index}].options") from None
+        # the loader checked them already; parse_options gives them typed (ConfigError if bad)
+        where = f"$.stages[{stage_index}].options"
+        options = parse_options(self.Options, config.options, where=where, backend="shout")
         self.delay_s = options.delay_s
         self.words_shouted = 0
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_trio import ConfigError, load_config
+from omni_trio import ConfigError, StageConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -94,20 +94,16 @@ def test_custom_backend_rejects_bad_options(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.syspath_prepend(str(EXAMPLES))
     from shout_backend import ShoutBackend
 
-    config = {
-        "stages": [
-            {
-                "id": "shout",
-                "backend": "shout_backend:ShoutBackend",
-                "options": {"delay_s": -1},
-                "final_output": True,
-            }
-        ]
-    }
-    # whether the loader checks the declared Options or the backend does, it is a ConfigError
-    with pytest.raises(ConfigError, match="delay_s|>= 0") as info:
-        ShoutBackend(load_config(config).stages[0], stage_index=0)
-    assert "$.stages[0].options" in str(info.value)
+    stage = {"id": "shout", "backend": "shout_backend:ShoutBackend", "final_output": True}
+    # the loader checks the Options the backend declares, naming the key
+    with pytest.raises(ConfigError, match=r"\$\.stages\[0\]\.options\.delay_s"):
+        load_config({"stages": [{**stage, "options": {"delay_s": -1}}]})
+    with pytest.raises(ConfigError, match=r"unknown option 'dealy_s'"):
+        load_config({"stages": [{**stage, "options": {"dealy_s": 1}}]})
+    # and the backend, built from a config that skipped the loader, checks them too
+    unchecked = StageConfig(id="shout", backend=stage["backend"], options={"delay_s": -1})
+    with pytest.raises(ConfigError, match=r"\$\.stages\[3\]\.options\.delay_s"):
+        ShoutBackend(unchecked, stage_index=3)
 
 
 def test_anyio_app(tmp_path: Path) -> None:
