@@ -20,7 +20,6 @@ import json
 import os
 import random
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BackendUnavailableError, ConfigError
+from .progress import report_step
 
 __all__ = [
     "TINY_PRESETS",
@@ -39,7 +39,11 @@ __all__ = [
 ]
 
 #: bump when the build recipe changes, so old cache entries are not reused
-_RECIPE_VERSION = 1
+#: (2: weights saved in bfloat16, the dtype vLLM runs them in)
+_RECIPE_VERSION = 2
+#: the dtype the weights are saved in: the one the pipelines run them in, so loading them
+#: is a plain copy (no float32 -> bfloat16 cast per tensor, and half the file)
+WEIGHTS_DTYPE = "bfloat16"
 _MARKER = "omni_trio_tiny.json"
 _SPECIALS = ("<unk>", "<s>", "</s>")
 
@@ -117,11 +121,12 @@ def ensure_tiny_model(
     """Return the directory of tiny model ``name``, building it first if it is not cached.
 
     ``seed`` replaces the preset's weight seed; ``overrides`` replace other
-    :class:`TinySpec` fields (``vocab_size=...``). Blocking (a build takes a few seconds
-    and prints its steps on stderr unless ``progress=False``); call it from a worker thread
-    in async code. Safe against crashes and concurrent builders. Raises
-    :class:`ConfigError` for an unknown preset or option, :class:`BackendUnavailableError`
-    if ``torch``/``transformers``/``tokenizers`` are missing.
+    :class:`TinySpec` fields (``vocab_size=...``). Blocking (a build takes a few seconds;
+    its steps go to the context's build sink (:mod:`omni_trio.models.progress`), else to
+    stderr unless ``progress=False``); call it from a worker thread in async code. Safe
+    against crashes and concurrent builders. Raises :class:`ConfigError` for an unknown
+    preset or option, :class:`BackendUnavailableError` if ``torch``/``transformers``/
+    ``tokenizers`` are missing.
     """
     spec = _spec_for(name, seed, overrides)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
@@ -167,8 +172,7 @@ def model_fingerprint(path: str | os.PathLike[str]) -> str:
 
 
 def _step(progress: bool, name: str, i: int, n: int, what: str) -> None:
-    if progress:
-        print(f"omni-trio: tiny model {name!r} [{i}/{n}] {what}", file=sys.stderr, flush=True)
+    report_step(f"tiny model {name!r}", i, n, what, echo=progress)
 
 
 def _corpus(seed: int, n_lines: int = 4000) -> Iterator[str]:
@@ -245,7 +249,7 @@ def _build(name: str, spec: TinySpec, out: Path, *, progress: bool) -> None:
         bos_token_id=vocab["<s>"],
         eos_token_id=vocab["</s>"],
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        torch_dtype=WEIGHTS_DTYPE,
     )
     gen = torch.Generator().manual_seed(spec.seed)
     model = transformers.LlamaForCausalLM(config)
@@ -257,8 +261,18 @@ def _build(name: str, spec: TinySpec, out: Path, *, progress: bool) -> None:
             else:
                 param.copy_(torch.randn(param.shape, generator=gen) * spec.initializer_range)
 
-    _step(progress, name, 3, 3, "saving")
-    model.save_pretrained(out, safe_serialization=True)
+    _step(progress, name, 3, 3, f"saving ({WEIGHTS_DTYPE})")
+    # drawn in float32 above (the same numbers on every machine), stored as bfloat16
+    model.to(getattr(torch, WEIGHTS_DTYPE))
+    # transformers' own "Writing model shards" bar would cut into the caller's display
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
     marker = {"name": name, "recipe": _RECIPE_VERSION, "spec": asdict(spec)}
     # Written last: its presence means the directory is complete.
     (out / _MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True))
+    _step(progress, name, 3, 3, "done")

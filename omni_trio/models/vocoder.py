@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BackendUnavailableError, ConfigError
+from .progress import report_step
+from .tiny import default_cache_dir
 
 try:
     import torch
@@ -124,7 +126,8 @@ class TinyVocoder(nn.Module):
             x = torch.tanh(conv(x))
         for up in self.ups:
             x = torch.tanh(up(x))
-        return x.squeeze(1)  # [B, T * hop]
+        samples: torch.Tensor = x.squeeze(1)  # [B, T * hop]
+        return samples
 
     def reset_parameters_seeded(self, seed: int) -> None:
         """Draw every weight from ``torch.Generator().manual_seed(seed)`` (independent of the
@@ -150,11 +153,6 @@ class TinyVocoder(nn.Module):
         )
 
 
-def _default_cache_dir() -> Path:
-    env = os.environ.get("OMNI_TRIO_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "omni-trio"
-
-
 def _spec_from(options: Mapping[str, Any]) -> VocoderSpec:
     known = {f.name for f in fields(VocoderSpec)}
     unknown = set(options) - known
@@ -173,6 +171,7 @@ def ensure_tiny_vocoder(
     cache_dir: str | os.PathLike[str] | None = None,
     *,
     seed: int = _DEFAULT_SEED,
+    progress: bool = True,
     **spec_overrides: Any,
 ) -> Path:
     """Return the weights file of the tiny vocoder for ``seed``, building it on first use.
@@ -180,17 +179,21 @@ def ensure_tiny_vocoder(
     Blocking (a build takes well under a second; call it from a worker thread in async
     code). The file is written to a temporary sibling and renamed into place, so a crash
     never leaves a half-written file and concurrent builders all end with one complete file.
-    ``spec_overrides`` replace other :class:`VocoderSpec` fields. Raises :class:`ConfigError`
-    for an unknown field.
+    ``spec_overrides`` replace other :class:`VocoderSpec` fields. A build reports its steps
+    like the tiny models' (:mod:`omni_trio.models.progress`; ``progress=False``: no stderr
+    lines). Raises :class:`ConfigError` for an unknown field.
     """
     spec = _spec_from({"seed": seed, **spec_overrides})
-    root = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     final = root / "tiny" / f"code2wav-{spec.digest()}.pt"
     if final.is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    what = f"tiny vocoder (seed {spec.seed})"
+    report_step(what, 1, 2, "initialising weights", echo=progress)
     module = TinyVocoder(spec)
     module.reset_parameters_seeded(spec.seed)
+    report_step(what, 2, 2, "saving (float32, the dtype it runs in)", echo=progress)
     payload = {
         "format": "omni-trio-vocoder",
         "recipe": _RECIPE_VERSION,
@@ -206,6 +209,7 @@ def ensure_tiny_vocoder(
         os.replace(tmp, final)  # atomic; a racing builder wrote identical bytes
     finally:
         tmp.unlink(missing_ok=True)
+    report_step(what, 2, 2, "done", echo=progress)
     return final
 
 

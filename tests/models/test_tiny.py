@@ -11,6 +11,7 @@ import pytest
 
 from omni_trio.errors import ConfigError
 from omni_trio.models import TINY_PRESETS, ensure_tiny_model, model_fingerprint, resolve_model
+from omni_trio.models.progress import reporting_to
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +122,35 @@ def test_resolve_model(cache: Path, thinker: Path) -> None:
     assert resolve_model("tiny:thinker", cache_dir=cache) == str(thinker)
     assert resolve_model("meta-llama/Llama-3.2-1B") == "meta-llama/Llama-3.2-1B"
     assert resolve_model("some/local/path") == "some/local/path"
+
+
+def test_weights_are_saved_in_the_dtype_they_run_in(thinker: Path) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(thinker / "model.safetensors"), "pt") as f:
+        dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}
+    assert dtypes == {"BF16"}  # vLLM loads them without a float32 -> bfloat16 cast
+    config = json.loads((thinker / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+
+
+class Steps:
+    """A build sink that records what it is told."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[str, int, int, str]] = []
+
+    def step(self, what: str, index: int, total: int, doing: str) -> None:
+        self.steps.append((what, index, total, doing))
+
+
+def test_build_steps_go_to_the_context_sink(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    sink = Steps()
+    with reporting_to(sink):
+        ensure_tiny_model("talker", cache_dir=tmp_path)
+    assert [(i, n) for _, i, n, _ in sink.steps] == [(1, 3), (2, 3), (3, 3), (3, 3)]
+    assert {what for what, *_ in sink.steps} == {"tiny model 'talker'"}
+    assert sink.steps[-1][3] == "done" and "bfloat16" in sink.steps[2][3]
+    assert capfd.readouterr().err == ""  # not on stderr, and no bar of transformers' own

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from omni_trio.errors import ConfigError
+from omni_trio.models.progress import reporting_to
 from omni_trio.models.vocoder import (
     TinyVocoder,
     VocoderSpec,
@@ -92,3 +93,22 @@ def test_bad_options_are_config_errors(tmp_path: Path) -> None:
         build_vocoder({"weights": str(tmp_path / "missing.pt")})
     with pytest.raises(ConfigError, match="unknown tiny vocoder 'tiny:other'"):
         build_vocoder({"weights": "tiny:other"})
+
+
+def test_build_reports_its_steps(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    steps: list[tuple[str, int, int, str]] = []
+
+    class Sink:
+        def step(self, what: str, index: int, total: int, doing: str) -> None:
+            steps.append((what, index, total, doing))
+
+    with reporting_to(Sink()):
+        ensure_tiny_vocoder(tmp_path, seed=5)
+        ensure_tiny_vocoder(tmp_path, seed=5)  # cached: nothing to report
+    assert [(i, n, doing.split()[0]) for _, i, n, doing in steps] == [
+        (1, 2, "initialising"),
+        (2, 2, "saving"),
+        (2, 2, "done"),
+    ]
+    ensure_tiny_vocoder(tmp_path, seed=6, progress=False)  # no sink, told to be quiet
+    assert capfd.readouterr().err == ""
