@@ -14,16 +14,21 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import trio
 
+from . import __version__
+from .console import chatter_to_log, default_log_path, exit_process, stop_resource_tracker
 from .errors import ConfigError, InvalidRequestError
 from .runner import (
+    RunSummary,
     StageTimer,
     default_pipeline,
     format_init_table,
@@ -60,6 +65,12 @@ def _common(*, sub: bool) -> argparse.ArgumentParser:
         "--debug", action="store_true", default=default, help="show tracebacks and debug logs"
     )
     p.add_argument(
+        "--verbose",
+        action="store_true",
+        default=default,
+        help="show vLLM, torch and transformers output here (default: in a log file)",
+    )
+    p.add_argument(
         "--log-stats",
         action="store_true",
         default=default,
@@ -76,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run multi-stage (omni-modality) inference pipelines on trio.",
         parents=[_common(sub=False)],
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser(
@@ -170,35 +182,45 @@ def _load(arg: str) -> Any:
     return load_config(resolve_config_arg(arg))
 
 
-async def _run_pipeline(args: argparse.Namespace, config: Any, prompts: Sequence[str]) -> None:
+async def _run_pipeline(
+    args: argparse.Namespace, config: Any, prompts: Sequence[str]
+) -> RunSummary:
     from .engine import open_engine
+    from .progress import open_engine_with_progress
 
     timer = StageTimer()
-    async with open_engine(config) as engine:
+    t0 = time.perf_counter()  # start-up: from here until every stage is ready
+    async with open_engine_with_progress(open_engine(config), sys.stderr) as engine:
+        started = time.perf_counter() - t0
         engine.add_observer(timer)
-        if args.command == "demo" or args.log_stats:
+        if args.log_stats:
             print(format_init_table(engine), flush=True)
-        await run_prompts(engine, prompts, Path(args.output_dir), args.max_tokens, timer)
+        written = await run_prompts(engine, prompts, Path(args.output_dir), args.max_tokens, timer)
         print(format_stage_times(timer), flush=True)
         if args.log_stats:
             print(format_statistics(engine.statistics()), flush=True)
+    return RunSummary(config, len(prompts), tuple(written), Path(args.output_dir), started)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     _max_tokens(args.max_tokens)
+    t0 = time.perf_counter()
     config = _load(str(default_pipeline()))
     print(RANDOM_WEIGHTS_NOTE, flush=True)
-    trio.run(_run_pipeline, args, config, args.prompt or list(DEMO_PROMPTS))
+    summary = trio.run(_run_pipeline, args, config, args.prompt or list(DEMO_PROMPTS))
     print(RANDOM_WEIGHTS_NOTE, flush=True)
+    print(summary.line("demo", time.perf_counter() - t0), flush=True)
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
     _max_tokens(args.max_tokens)
     config = _load(args.config)
     if any(not p for p in args.prompt):
         raise UsageError("--prompt must not be empty")
-    trio.run(_run_pipeline, args, config, args.prompt)
+    summary = trio.run(_run_pipeline, args, config, args.prompt)
+    print(summary.line("run", time.perf_counter() - t0), flush=True)
     return 0
 
 
@@ -388,10 +410,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    # vLLM logs every engine's full config at INFO: keep the terminal readable by default
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if args.debug else "WARNING")
+    quiet = args.command in ENGINE_COMMANDS and not args.verbose
+    if not quiet:
+        # vLLM logs every engine's full config at INFO: keep the terminal readable
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if args.debug else "WARNING")
     try:
-        return COMMANDS[args.command](args)
+        with _chatter(args.command, quiet=quiet, debug=args.debug):
+            return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print("omni-trio: interrupted", file=sys.stderr)
         return 1
@@ -408,5 +433,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_code_for(leaf)
 
 
+def run() -> NoReturn:
+    """The ``omni-trio`` program (console script, ``python -m omni_trio``): :func:`main`,
+    then a quick exit that leaves no child process (:func:`~omni_trio.console.exit_process`)."""
+    exit_process(main())
+
+
+#: the commands that start engines: their third-party output goes to a log file
+ENGINE_COMMANDS = frozenset({"demo", "run", "serve"})
+
+
+@contextmanager
+def _chatter(command: str, *, quiet: bool, debug: bool) -> Iterator[None]:
+    if not quiet:
+        yield
+        return
+    path = default_log_path(command)
+    with chatter_to_log(path, debug=debug):
+        print(
+            f"omni-trio: vLLM, torch and transformers output goes to {path} "
+            "(--verbose shows it here)",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            yield
+        finally:
+            # every engine has stopped: the tracker's last words (if any) go to the log
+            stop_resource_tracker()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -23,6 +23,7 @@ from .errors import ConfigError
 from .observer import EngineObserver
 
 __all__ = [
+    "RunSummary",
     "StageTimer",
     "audio_stage",
     "default_pipeline",
@@ -177,6 +178,30 @@ async def run_prompts(
             )
         print(f"[{n}] {time.perf_counter() - t0:.3f}s: {timer.line(rid)}", file=out, flush=True)
     return written
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What a ``demo`` or ``run`` did, for its closing line."""
+
+    config: PipelineConfig
+    prompts: int
+    written: tuple[Path, ...]
+    output_dir: Path
+    startup_s: float
+
+    def line(self, command: str, total_s: float) -> str:
+        """One line: what ran, where the files went, the total time. Pure."""
+        chain = " -> ".join(st.id for st in self.config.stages)
+        files = (
+            f"{len(self.written)} WAV file(s) in {self.output_dir}/"
+            if self.written
+            else "no audio written"
+        )
+        return (
+            f"omni-trio {command}: {self.prompts} prompt(s) through {self.config.name!r} "
+            f"({chain}); {files}; {total_s:.1f}s in all (start-up {self.startup_s:.1f}s)"
+        )
 
 
 def _save_wav(path: Path, samples: list[float], rate: int) -> None:

@@ -21,7 +21,8 @@ import httpx
 import psutil
 import pytest
 
-from omni_trio.cli import main
+import omni_trio
+from omni_trio.cli import build_parser, main
 from omni_trio.testing import scripted_tokens
 
 TWO_STAGES = """\
@@ -48,8 +49,14 @@ def pipeline(tmp_path: Path, a: str = "", b: str = "") -> str:
     return write(tmp_path, TWO_STAGES.format(a=a, b=b))
 
 
+LOG_NOTE = "omni-trio: vLLM, torch and transformers output goes to "
+
+
 def one_line_error(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
+    # the log file's note and the start-up lines (commands that start engines) come first
+    lines = [
+        line for line in err.splitlines() if line.strip() and not line.startswith((LOG_NOTE, "✓ "))
+    ]
     assert len(lines) == 1, err
     assert lines[0].startswith("omni-trio: error: ")
     assert "Traceback" not in err
@@ -61,6 +68,13 @@ def test_help_of_every_command(command, capsys):
     assert main([command, "--help"]) == 0
     out = capsys.readouterr().out
     assert f"omni-trio {command}" in out and "--debug" in out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"omni-trio {omni_trio.__version__}"
 
 
 def test_usage_errors_exit_2(capsys):
@@ -92,13 +106,23 @@ def test_validate_ok_bad_and_missing(tmp_path, capsys):
 def test_run_streams_text_and_logs_stats(tmp_path, capsys):
     rc = main(["run", pipeline(tmp_path), "--prompt", "hi", "--prompt", "yo", "--log-stats"])
     assert rc == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     for prompt in ("hi", "yo"):
         tokens = scripted_tokens(scripted_tokens(list(prompt.encode()), 3), 4)
         assert "".join(f"b:{t} " for t in tokens) in out
     assert "start-up timeline" in out and "replica 0: start" in out
     assert "engine: 2 requests: 2 finished, 0 aborted, 0 failed, 0 in flight" in out
     assert "per-stage timing" in out
+    summary = out.strip().splitlines()[-1]
+    assert summary.startswith("omni-trio run: 2 prompt(s) through 'two' (a -> b); no audio")
+    assert "a (scripted) ready in" in err and "b (scripted) ready in" in err  # the display
+    log = Path(err.split(LOG_NOTE)[1].split()[0])
+    assert not log.exists()  # scripted stages say nothing: no log file is left behind
+
+
+def test_verbose_keeps_everything_on_the_terminal(tmp_path, capsys):
+    assert main(["run", pipeline(tmp_path), "--prompt", "hi", "--verbose"]) == 0
+    assert LOG_NOTE not in capsys.readouterr().err
 
 
 def test_run_errors(tmp_path, capsys):
@@ -230,7 +254,8 @@ def stream_chat(port: int, results: dict) -> None:
 )
 def test_serve_stops_on_a_signal_with_a_request_in_flight(tmp_path, sig, grace, finishes):
     # b: 20 outputs x 0.1 s, so the request is in flight when the signal arrives
-    config = pipeline(tmp_path, b=", outputs: 20, latency_s: 0.1").replace("outputs: 4, ", "")
+    text = TWO_STAGES.format(a="", b=", latency_s: 0.1").replace("outputs: 4,", "outputs: 20,")
+    config = write(tmp_path, text)
     server = Server([config, "--grace-period", grace, "--log-stats"])
     try:
         port = server.wait_for_port(timeout=60)
@@ -260,12 +285,20 @@ def test_serve_stops_on_a_signal_with_a_request_in_flight(tmp_path, sig, grace, 
         )
         assert text.count("b:") == 20  # the whole answer arrived during the grace period
     else:
-        assert "[DONE]" not in events and len(events) < 21  # cut off: aborted
+        # cut off: aborted, and the stream says so before its end
+        assert events[-1] == "[DONE]" and len(events) < 22
+        assert json.loads(events[-2])["error"]["code"] == "server_shutdown"
     out = "".join(iter_queue(server.lines))
     assert "server stopped" in out
     expect = "1 finished, 0 aborted" if finishes else "0 finished, 1 aborted"
     assert f"engine: 1 requests: {expect}, 0 failed, 0 in flight" in out
     assert not alive(kids)
+
+
+def log_file(err: str) -> str:
+    """The text of the log file that a command's stderr names."""
+    line = next(line for line in err.splitlines() if line.startswith(LOG_NOTE))
+    return Path(line.removeprefix(LOG_NOTE).split()[0]).read_text()
 
 
 def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
@@ -312,12 +345,22 @@ def test_demo_end_to_end_streams_text_and_writes_wavs(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    out, err = proc.stdout, proc.stderr
     assert "random weights" in out and "noise" in out
-    assert "start-up timeline" in out and "thinker" in out and "engine_ready" in out
     text_line = next(line for line in out.splitlines() if line.startswith("[1] thinker: "))
     assert len(text_line) > len("[1] thinker: ")  # some (random) text was streamed
     assert "per-stage timing" in out and "code2wav" in out
+    summary = out.strip().splitlines()[-1]
+    assert summary.startswith(
+        "omni-trio demo: 1 prompt(s) through 'tiny-omni' (thinker -> talker -> code2wav); "
+        f"1 WAV file(s) in {out_dir}/; "
+    )
+    # quiet by default: one line per stage once it is ready, vLLM's output in the log only
+    for stage_line in ("thinker (vllm) ready in", "talker (vllm) ready in", "code2wav (torch)"):
+        assert stage_line in err
+    assert "warning" not in (out + err).lower() and "Traceback" not in err
+    log = log_file(err)
+    assert "EngineCore" in log and "leaked" not in log and "force killing" not in log
     with wave.open(str(out_dir / "prompt-1.wav")) as w:
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 16_000)
         assert w.getnframes() > 0 and w.getnframes() % 160 == 0  # whole vocoder hops
@@ -359,11 +402,19 @@ def test_serve_tiny_omni_chat_and_speech_then_sigterm_leaves_no_engine_process()
             assert w.getframerate() == 16_000 and w.getnframes() > 0
         health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
         assert health.status_code == 200
+        kids = server.children()  # the EngineCores, their workers, the resource tracker
+        assert any("resource_tracker" in " ".join(k.cmdline()) for k in kids)
         server.proc.send_signal(signal.SIGTERM)
         rc = server.proc.wait(120)
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
             server.proc.wait()
-    assert rc == 0, server.proc.stderr.read()[-3000:] if server.proc.stderr else ""
-    assert not alive(kids)
+    err = server.proc.stderr.read() if server.proc.stderr else ""
+    assert rc == 0, err[-3000:]
+    assert not alive(kids)  # not even for a moment after the exit: no race to lose
+    # vLLM stopped its engines cleanly: nothing killed, nothing left to the resource tracker
+    assert "leaked" not in err and "Traceback" not in err
+    log = log_file(err)
+    assert "[shutdown] MPClient: complete" in log
+    assert "force killing" not in log and "leaked" not in log

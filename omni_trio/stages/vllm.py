@@ -17,7 +17,8 @@ Config (a stage with ``backend: vllm``):
 ``options``      ``cpu_bind`` (str, or a list indexed by replica): ``VLLM_CPU_OMP_THREADS_BIND``
                  for this engine only, e.g. ``"0"`` for one stage and ``"1"`` for the other
                  (vLLM's ``auto`` pins every engine to core 0); ``core_shutdown_grace_s``
-                 (float, 1.0): how long the EngineCore gets after SIGTERM before SIGKILL;
+                 (float, 10): how long the EngineCore gets after SIGTERM before SIGKILL (a clean
+                 exit takes 1-2 s);
                  ``output_buffer`` (int, 64): the per-request bridge window;
                  ``abort_timeout_s`` (float, 10): bound on waiting for the engine to confirm
                  an abort. Declared by :class:`~omni_trio.stages.options.VllmOptions`,
@@ -42,6 +43,7 @@ with :class:`~omni_trio.errors.ReplicaDeadError`, ``serve()`` stops the worker a
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 from collections.abc import Sequence
@@ -114,8 +116,12 @@ class VllmBackend(StageBackend):
             cmd_rx=cmd_rx,
             evt_tx=evt_tx,
             on_exit=on_exit,
+            on_phase=self.mark_phase,
         )
-        self._thread = threading.Thread(target=self._worker.run, name=self.thread_name)
+        # the worker runs in this context (a copy): a model build there reports its steps
+        # wherever the caller's do (omni_trio.models.progress)
+        run = contextvars.copy_context().run
+        self._thread = threading.Thread(target=run, args=(self._worker.run,), name=self.thread_name)
         self._thread.start()
         self.mark_phase("thread_started")
         try:

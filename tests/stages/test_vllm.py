@@ -63,6 +63,15 @@ def leftover_engine_processes() -> list[psutil.Process]:
     return left
 
 
+def shared_memory_of(procs: list[psutil.Process]) -> set[str]:
+    """The /dev/shm files (POSIX shared memory and named semaphores) ``procs`` map."""
+    return {m.path for p in procs for m in p.memory_maps() if m.path.startswith("/dev/shm/")}
+
+
+def still_there(paths: set[str]) -> list[str]:
+    return sorted(p for p in paths if os.path.exists(p))
+
+
 def our_threads() -> list[str]:
     return [
         t.name
@@ -114,6 +123,9 @@ async def test_backend_streams_greedy_tokens_aborts_and_cleans_up() -> None:
         await nursery.start(backend.serve)
         assert backend.alive and len(backend.core_pids) == 1
         assert "alive" in repr(backend) and str(backend.core_pids[0]) in repr(backend)
+        core = psutil.Process(backend.core_pids[0])
+        shared = shared_memory_of([core, *core.children()])
+        assert shared  # vLLM's message queues and the executor's semaphore
 
         # text prompts: streamed deltas, last one finished with vLLM's reason and metrics
         by_text = [await run(backend, f"t{i}", StageInput(prompt=p)) for i, p in enumerate(PROMPTS)]
@@ -194,8 +206,11 @@ async def test_backend_streams_greedy_tokens_aborts_and_cleans_up() -> None:
 
     # same greedy tokens as the hand-driven AsyncLLM
     assert [tokens(o) for o in by_text] == [r[0] for r in ref]
-    # nothing left: no EngineCore, no worker thread
+    # nothing left: no EngineCore, no worker thread, no shared memory; and the EngineCore
+    # exited by itself after SIGTERM (exit code 0), it was not killed
     assert leftover_engine_processes() == []
+    assert [p.exitcode for p in backend._worker._procs] == [0]  # type: ignore[union-attr]
+    assert still_there(shared) == []
     assert our_threads() == []
     new = {t.name for t in threading.enumerate()} - threads_before - {"tqdm_monitor"}
     assert {n for n in new if not n.startswith("Trio thread")} == set()
