@@ -424,6 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, SystemExit):
             raise
         leaf = _leaf(exc)
+        if isinstance(leaf, KeyboardInterrupt) and not args.debug:  # from inside trio.run
+            print("omni-trio: interrupted", file=sys.stderr)
+            return 1
         if args.debug:
             traceback.print_exception(exc)
         else:

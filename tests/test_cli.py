@@ -301,6 +301,26 @@ def log_file(err: str) -> str:
     return Path(line.removeprefix(LOG_NOTE).split()[0]).read_text()
 
 
+@pytest.mark.slow
+def test_ctrl_c_during_run_is_one_line(tmp_path):
+    text = TWO_STAGES.format(a="", b=", latency_s: 0.1").replace("outputs: 4,", "outputs: 300,")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omni_trio", "run", write(tmp_path, text), "--prompt", "hi"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    seen = ""
+    while "b:" not in seen:  # the first outputs are streaming: the request is in flight
+        seen += proc.stdout.read(1)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 1
+    err = proc.stderr.read()
+    assert "omni-trio: interrupted" in err and "Traceback" not in err and "error" not in err
+
+
 def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     """The processes of ``procs`` still running (zombies count as gone: they hold nothing)."""
     left = []
