@@ -90,16 +90,17 @@ class Serve:
 
 
 def never_reading_stream(port: int) -> socket.socket:
-    """Start a streamed chat completion, read its first byte, then never read again."""
+    """Start a streamed completion whose first event (the echoed 8 MiB prompt) is larger
+    than the kernel buffers can ever hold (4 MiB at most here), read its first byte, then
+    never read again: the server's write of that event blocks for good."""
     client = socket.socket()
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     client.settimeout(30)
     client.connect(("127.0.0.1", port))
-    body = json.dumps(
-        {"model": "one", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    ).encode()
+    request = {"model": "one", "prompt": "x" * 2**23, "stream": True, "echo": True}
+    body = json.dumps(request).encode()
     client.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     )
     assert client.recv(1) == b"H"  # the status line: admitted and streaming
