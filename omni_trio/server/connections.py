@@ -34,6 +34,8 @@ from .asgi import ASGIApp
 from .lifecycle import ServerLifecycle
 
 if TYPE_CHECKING:
+    from hypercorn.config import Config
+    from hypercorn.trio.worker_context import WorkerContext
     from hypercorn.typing import ASGIFramework
 
 __all__ = ["CUT_TIMEOUT_S", "bind_socket", "hypercorn_config", "serve_asgi"]
@@ -69,7 +71,7 @@ def bind_socket(host: str, port: int, *, backlog: int = 1024) -> socket.socket:
     return sock
 
 
-def hypercorn_config(*, keep_alive_timeout: float = 5.0) -> Any:
+def hypercorn_config(*, keep_alive_timeout: float = 5.0) -> Config:
     """Hypercorn's settings for :func:`serve_asgi` (its own access log off: the app logs).
     Synchronous."""
     from hypercorn.config import Config
@@ -127,7 +129,7 @@ async def serve_asgi(
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     grace_period: float = 10.0,
     cut_timeout: float = CUT_TIMEOUT_S,
-    config: Any = None,
+    config: Config | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on the listening ``sockets`` (see :func:`bind_socket`; this takes them
@@ -178,7 +180,7 @@ async def serve_asgi(
 
 async def _shut_down(
     lifecycle: ServerLifecycle,
-    context: Any,
+    context: WorkerContext,
     connections: _Connections,
     grace_period: float,
     cut_timeout: float,

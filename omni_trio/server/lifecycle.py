@@ -14,7 +14,6 @@ response ends with a ``server_shutdown`` error event), then stops::
 from __future__ import annotations
 
 import enum
-import time
 
 import trio
 
@@ -50,7 +49,6 @@ class ServerLifecycle:
         self._phase = ServerPhase.STARTING if starting else ServerPhase.SERVING
         self._cut = trio.Event()
         self._stopped = trio.Event()
-        self.created_at = time.monotonic()
 
     @property
     def phase(self) -> ServerPhase:
@@ -91,9 +89,6 @@ class ServerLifecycle:
     async def wait_stopped(self) -> None:
         """Return once the server has stopped. Checkpoints."""
         await self._stopped.wait()
-
-    def uptime(self) -> float:
-        return time.monotonic() - self.created_at
 
     def __repr__(self) -> str:
         return f"<ServerLifecycle {self._phase.value}>"

@@ -89,7 +89,7 @@ class _Watch:
     """Runs ``work`` in a scope that a client disconnect or the shutdown cut cancels, and
     says which of the two ended it (if either did)."""
 
-    def __init__(self, scope: Scope, receive: Receive, lifecycle: ServerLifecycle | None):
+    def __init__(self, scope: Scope, receive: Receive, lifecycle: ServerLifecycle | None) -> None:
         self._scope = scope
         self._receive = receive
         self._lifecycle = lifecycle
