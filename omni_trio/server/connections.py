@@ -137,8 +137,9 @@ async def serve_asgi(
     docstring says and return; ``lifecycle`` follows (DRAINING, CUT, STOPPED).
 
     Reports the first socket's port with ``task_status.started``. Cancellation closes every
-    connection at once and returns promptly (no grace period). Returns in at most
-    ``grace_period + cut_timeout`` seconds after the trigger, whatever the clients do."""
+    connection at once and returns promptly (no grace period). Returns at most
+    ``grace_period + cut_timeout`` seconds after the trigger, plus what the cancelled
+    requests take to abort, whatever the clients do."""
     from hypercorn.trio.tcp_server import TCPServer
     from hypercorn.trio.worker_context import WorkerContext
     from hypercorn.typing import ConnectionState
