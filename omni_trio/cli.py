@@ -225,6 +225,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, config: Any) -> None:
+    from .progress import open_engine_with_progress
     from .server import serve_engine
 
     shutdown = trio.Event()
@@ -269,6 +270,7 @@ async def _serve(args: argparse.Namespace, config: Any) -> None:
                 grace_period=args.grace_period,
                 max_body_bytes=args.max_body_bytes,
                 on_ready=ready,
+                enter_engine=partial(open_engine_with_progress, stream=sys.stderr),
             )
         )
         # bound before any stage starts: a taken port has failed already

@@ -435,6 +435,7 @@ def test_serve_tiny_omni_chat_and_speech_then_sigterm_leaves_no_engine_process()
     assert not alive(kids)  # not even for a moment after the exit: no race to lose
     # vLLM stopped its engines cleanly: nothing killed, nothing left to the resource tracker
     assert "leaked" not in err and "Traceback" not in err
+    assert "thinker (vllm) ready in" in err and "code2wav (torch) ready in" in err
     log = log_file(err)
     assert "[shutdown] MPClient: complete" in log
     assert "force killing" not in log and "leaked" not in log

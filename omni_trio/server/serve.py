@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any
 
@@ -78,6 +79,7 @@ async def serve_engine(
     grace_period: float = 10.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     on_ready: Callable[[Any, int], object] | None = None,
+    enter_engine: Callable[[Any], AbstractAsyncContextManager[Any]] | None = None,
     **overrides: Any,
 ) -> None:
     """Serve a pipeline over HTTP: load ``config``, listen on ``host:port`` (reported with
@@ -86,7 +88,9 @@ async def serve_engine(
     ``Retry-After``), call ``on_ready(engine, port)``, and serve until ``shutdown_trigger()``
     returns (see :func:`serve_http` for the bounded shutdown) or the caller is cancelled;
     then close the engine (aborting what is left, stopping every stage). A shutdown during
-    start-up stops the starting stages at once.
+    start-up stops the starting stages at once. ``enter_engine(engine)``, if given, is the
+    async context manager that starts and closes the engine instead of ``async with
+    engine`` (the command line's progress display: :mod:`omni_trio.progress`).
 
     Raises ConfigError (synchronously, before listening), ServerBindError (the address is
     taken: at once, not after the stages started) or StageStartError."""
@@ -112,7 +116,7 @@ async def serve_engine(
         with trio.CancelScope() as session:
             # a shutdown while the stages start stops them at once
             nursery.start_soon(_cancel_if_stopped_first, lifecycle, serving, session)
-            async with engine:
+            async with engine if enter_engine is None else enter_engine(engine):
                 serving.set()
                 lifecycle.mark_serving()
                 if on_ready is not None:
