@@ -166,19 +166,23 @@ class Engine:
         body_error: BaseException | None = None
         async with trio.open_nursery() as nursery:
             await nursery.start(self._serve_stages)
-            async with trio.open_nursery() as requests:
-                await requests.start(self.orchestrator.serve)
-                self._state = "open"
-                try:
-                    yield self
-                except BaseException as exc:
-                    # kept aside, so that it leaves open_engine unwrapped once all is stopped
-                    body_error = exc
-                finally:
-                    self._begin_close()
-            with trio.CancelScope(shield=True):
-                await self._rpcs_ended()
-            self._stop_stages()
+            try:
+                async with trio.open_nursery() as requests:
+                    await requests.start(self.orchestrator.serve)
+                    self._state = "open"
+                    try:
+                        yield self
+                    except BaseException as exc:
+                        # kept aside: it leaves open_engine unwrapped once all is stopped
+                        body_error = exc
+                    finally:
+                        self._begin_close()
+            finally:
+                # also when a cancellation from outside ends the requests' nursery: the
+                # stages' scope is shielded, so only this cancels it
+                with trio.CancelScope(shield=True):
+                    await self._rpcs_ended()
+                self._stop_stages()
         if body_error is not None:
             if self._stop_error is not None and not self._stop_error_raised:
                 logger.error("while leaving on %r: %s", body_error, self._stop_error)

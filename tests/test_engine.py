@@ -13,7 +13,7 @@ from omni_trio import (
     StageRPCError,
     StageStartError,
 )
-from omni_trio.testing import assert_nothing_in_flight, scripted_pipeline
+from omni_trio.testing import assert_nothing_in_flight, scripted_backends, scripted_pipeline
 
 
 async def test_lifecycle_and_repr(autojump_clock):
@@ -257,3 +257,22 @@ async def test_vllm_engine_args_are_checked_off_the_event_loop_before_any_start(
         async with engine:
             pytest.fail("started with a misspelt engine arg")
     assert engine.statistics().stages[0].live_replicas == 0
+
+
+async def test_cancelled_from_outside_while_open_closes_in_order(autojump_clock):
+    """A cancellation from outside (a second Ctrl-C, a deadline) ends the session like
+    leaving the block: requests aborted first, then every stage stopped, in bounded time."""
+    cfg = scripted_pipeline(2, hang=True, stop_delay_s=1.0)
+    t0 = trio.current_time()
+    with trio.move_on_after(5) as outside:
+        async with omni_trio.open_engine(cfg) as engine:
+            for i in range(3):
+                await engine.generate("x", request_id=f"r{i}").__aenter__()  # never left
+            await trio.sleep_forever()
+    assert outside.cancelled_caught
+    assert trio.current_time() - t0 == pytest.approx(5 + 1.0)  # the deadline, then one stop
+    stats = engine.statistics()
+    assert (stats.requests_aborted, stats.requests_failed) == (3, 0)
+    assert sorted(scripted_backends(engine, "s0")[0].aborted) == ["r0", "r1", "r2"]
+    assert all(r.state == "stopped" for p in engine.pools.values() for r in p.replicas)
+    assert_nothing_in_flight(engine)
