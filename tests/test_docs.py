@@ -168,9 +168,13 @@ def _options(command: str) -> set[str]:
 def test_readme_cli_commands_and_flags_exist() -> None:
     shell = "\n".join(re.findall(r"^```sh\n(.*?)^```", README, re.S | re.M))
     inline = "\n".join(re.findall(r"`([^`\n]+)`", README))
-    used = re.findall(r"\bomni-trio ([a-z]+)([^\n]*)", shell + "\n" + inline)
-    assert {cmd for cmd, _ in used} >= {"run", "serve", "validate", "schema"}
+    used = re.findall(r"\bomni-trio ((?:--)?[a-z][a-z-]*)([^\n]*)", shell + "\n" + inline)
+    assert {cmd for cmd, _ in used} >= {"run", "serve", "validate", "schema", "--version"}
+    top_level = set(build_parser()._option_string_actions)
     for cmd, rest in used:
+        if cmd.startswith("--"):
+            assert cmd in top_level, f"README: omni-trio has no {cmd}"
+            continue
         for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", rest.split("#")[0]):
             assert flag in _options(cmd), f"README: `omni-trio {cmd}` has no {flag}"
 

@@ -94,14 +94,15 @@ def test_custom_backend_rejects_bad_options(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.syspath_prepend(str(EXAMPLES))
     from shout_backend import ShoutBackend
 
-    stage = {"id": "shout", "backend": "shout_backend:ShoutBackend", "final_output": True}
+    backend = "shout_backend:ShoutBackend"
+    stage = {"id": "shout", "backend": backend, "final_output": True}
     # the loader checks the Options the backend declares, naming the key
     with pytest.raises(ConfigError, match=r"\$\.stages\[0\]\.options\.delay_s"):
         load_config({"stages": [{**stage, "options": {"delay_s": -1}}]})
     with pytest.raises(ConfigError, match=r"unknown option 'dealy_s'"):
         load_config({"stages": [{**stage, "options": {"dealy_s": 1}}]})
     # and the backend, built from a config that skipped the loader, checks them too
-    unchecked = StageConfig(id="shout", backend=stage["backend"], options={"delay_s": -1})
+    unchecked = StageConfig(id="shout", backend=backend, options={"delay_s": -1})
     with pytest.raises(ConfigError, match=r"\$\.stages\[3\]\.options\.delay_s"):
         ShoutBackend(unchecked, stage_index=3)
 
