@@ -26,7 +26,8 @@ import trio
 
 from . import __version__
 from .console import chatter_to_log, default_log_path, exit_process, stop_resource_tracker
-from .errors import ConfigError, InvalidRequestError
+from .engine import leaves
+from .errors import ConfigError, InvalidRequestError, StageStopError
 from .runner import (
     RunSummary,
     StageTimer,
@@ -280,12 +281,20 @@ async def _serve(args: argparse.Namespace, config: Any) -> None:
             flush=True,
         )
 
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch, signals, nursery.cancel_scope)
-            async with trio.open_nursery() as server:
-                await run(server)
-            nursery.cancel_scope.cancel()
+    try:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch, signals, nursery.cancel_scope)
+                async with trio.open_nursery() as server:
+                    await run(server)
+                nursery.cancel_scope.cancel()
+    except* StageStopError as group:
+        if not shutdown.is_set():
+            raise
+        # stopping on a signal is still a clean exit; a replica that did not stop cleanly
+        # (its stop failed or overran shutdown_timeout) is reported, not an error
+        for exc in leaves(group):
+            print(f"omni-trio: warning: {exc}", file=sys.stderr, flush=True)
     if args.log_stats and engine is not None:
         print(format_statistics(engine.statistics()), flush=True)
     print("omni-trio: server stopped", flush=True)

@@ -195,3 +195,23 @@ def test_health_says_starting_while_stages_start_and_a_signal_then_stops_at_once
 def test_max_body_bytes_must_be_positive(tmp_path, capsys):
     assert main(["serve", pipeline(tmp_path), "--max-body-bytes", "0"]) == 2
     assert "--max-body-bytes must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_stop_that_overruns_is_reported_and_a_signal_still_exits_0(tmp_path):
+    path = tmp_path / "slow-stop.yaml"
+    path.write_text(
+        "name: one\nshutdown_timeout: 0.5\nstages:\n  - id: a\n    final_output: true\n"
+        "    options: {stop_delay_s: 3600}\n"
+    )
+    server = Serve([str(path), "--port", "0", "--grace-period", "0"])
+    try:
+        server.wait_line(server.out, r"serving .* on http://127\.0\.0\.1:(\d+)")
+        server.proc.send_signal(signal.SIGTERM)
+        rc = server.proc.wait(BOUND_S)
+    finally:
+        server.stop()
+    err = server.rest(server.err)
+    assert rc == 0, err
+    assert "warning: 1 replica(s) did not stop cleanly: a[0]: TooSlowError" in err
+    assert "Traceback" not in err
