@@ -45,9 +45,9 @@ bench: $(STAMP)
 	$(BIN)/omni-trio bench
 
 lint: $(STAMP)
-	$(BIN)/ruff check omni_trio tests benchmarks
-	$(BIN)/ruff format --check omni_trio tests benchmarks
-	$(BIN)/mypy omni_trio
+	$(BIN)/ruff check omni_trio tests benchmarks examples docs
+	$(BIN)/ruff format --check omni_trio tests benchmarks examples docs
+	$(BIN)/mypy --strict omni_trio
 
 # Regenerate docs/config.md from the config schema (tests/test_docs.py checks it is current).
 .PHONY: docs
