@@ -29,8 +29,9 @@ HEADER = """\
 A pipeline config is a YAML, TOML or JSON file, a dict, or a `omni_trio.PipelineConfig`.
 Unknown keys are rejected, and every error names the file and the JSON path of the value
 (`p.yaml: $.stages[1].inputs[0]: unknown input stage 'x'`). Check a file without starting
-anything with `omni-trio validate FILE`. Per-request settings (`sampling_params`,
-`final_stage_id`, `output_stages`) are arguments of `engine.generate()`, not config keys.
+anything with `omni-trio validate FILE`; `omni-trio schema` prints the JSON Schema this page
+is generated from, for editors. Per-request settings (`sampling_params`, `final_stage_id`,
+`output_stages`) are arguments of `engine.generate()`, not config keys.
 
 A table lists each object's keys: the type, the default (**required** keys have none) and
 what the key does. Types are JSON Schema types; `A | B` means either.
