@@ -60,11 +60,12 @@ async def main() -> None:
                 async for name, prompt, answer in result_receive:
                     print(f"{name}: {prompt!r} -> {answer!r}")
 
-        # A deadline on one request: leaving the block aborts it in every stage.
+        # A deadline on reading one request's answer: leaving the stream's block before the
+        # answer is complete aborts the request in every stage.
         received = 0
-        with anyio.move_on_after(0.1) as scope:
-            async with engine.generate("a long answer") as s:
-                async for _ in s:
+        async with engine.generate("a long answer") as stream:
+            with anyio.move_on_after(0.1) as scope:
+                async for _ in stream:
                     received += 1
         print(f"deadline hit: {scope.cancel_called}, outputs before it: {received}")
         stats = engine.statistics()
