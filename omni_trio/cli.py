@@ -334,8 +334,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     )
     more = f", ... ({len(config.stages) - shown} more)" if len(config.stages) > shown else ""
     print(
-        f"OK: {config.source}: pipeline {config.name!r}, {len(config.stages)} stages: "
-        f"{chain}{more}"
+        f"OK: {config.source}: pipeline {config.name!r}, {len(config.stages)} stages: {chain}{more}"
     )
     return 0
 
