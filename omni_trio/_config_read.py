@@ -17,12 +17,15 @@ import re
 import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import msgspec
 import yaml
 
 from .errors import ConfigError
+
+#: A value as a YAML, TOML or JSON config file holds it, before it is checked: open by nature.
+Value: TypeAlias = Any
 
 __all__ = [
     "MAX_DEPTH",
@@ -40,22 +43,22 @@ MAX_DEPTH = 64
 MAX_NODES = 2_000_000
 
 
-class _Mapping(dict[Any, Any]):
+class _Mapping(dict[Value, Value]):
     """A parsed mapping that remembers the keys it saw twice: (key, "line L, column C")."""
 
-    duplicates: list[tuple[Any, str]]
+    duplicates: list[tuple[Value, str]]
 
     def __init__(self) -> None:
         super().__init__()
         self.duplicates = []
 
 
-def _where(mark: Any) -> str:
+def _where(mark: Value) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}"
 
 
 # libyaml's parser when PyYAML has it (about 3x faster on big files), else PyYAML's own
-_BaseLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_BaseLoader: Value = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class _Loader(_BaseLoader):  # type: ignore[misc]
@@ -64,7 +67,7 @@ class _Loader(_BaseLoader):  # type: ignore[misc]
     def construct_tracked_map(self, node: yaml.MappingNode) -> Iterator[_Mapping]:
         data = _Mapping()
         yield data
-        seen: set[Any] = set()
+        seen: set[Value] = set()
         for key_node, _value in node.value:  # before merge keys are flattened in
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
                 continue
@@ -99,9 +102,9 @@ def _check_yaml_nodes(root: yaml.Node, source: str) -> None:
     size: dict[int, int] = {}
     on_stack = {id(root)}
     # frames: [node, children, next child index, expanded size so far]
-    stack: list[list[Any]] = [[root, _children(root), 0, 1]]
+    stack: list[list[Value]] = [[root, _children(root), 0, 1]]
 
-    def fail(reason: str, mark: Any) -> ConfigError:
+    def fail(reason: str, mark: Value) -> ConfigError:
         path = "$" + "".join(_label(f[0], f[2] - 1) for f in stack)
         return ConfigError(f"{reason} ({_where(mark)})", path=path, source=source)
 
@@ -135,7 +138,7 @@ def _check_yaml_nodes(root: yaml.Node, source: str) -> None:
             stack[-1][3] += total
 
 
-def _load_yaml(text: str, source: str) -> Any:
+def _load_yaml(text: str, source: str) -> Value:
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
@@ -147,7 +150,7 @@ def _load_yaml(text: str, source: str) -> Any:
         loader.dispose()
 
 
-def json_object(pairs: list[tuple[str, Any]]) -> _Mapping:
+def json_object(pairs: list[tuple[str, Value]]) -> _Mapping:
     """``json.loads``'s ``object_pairs_hook``: a dict that remembers duplicate keys."""
     data = _Mapping()
     for key, value in pairs:
@@ -170,7 +173,7 @@ def _decode(raw: bytes, source: str) -> str:
         ) from None
 
 
-def read_config_file(path: Path) -> Any:
+def read_config_file(path: Path) -> Value:
     """Read and parse a ``.yaml``/``.yml``/``.toml``/``.json`` file. Blocking.
 
     Raises :class:`ConfigError` naming the file (and line and column where the parser has
@@ -208,7 +211,7 @@ def read_config_file(path: Path) -> Any:
         raise ConfigError(f"cannot parse file: {type(exc).__name__}: {exc}", source=source) from exc
 
 
-_Link = tuple[Any, Any, bool] | None  # (parent link, key or index, is an index)
+_Link = tuple[Value, Value, bool] | None  # (parent link, key or index, is an index)
 _LEAVES = (str, int, bool, type(None))
 
 
@@ -220,11 +223,11 @@ def _path(link: _Link) -> str:
     return "$" + "".join(reversed(parts))
 
 
-def check_tree(data: Any, source: str) -> None:
+def check_tree(data: Value, source: str) -> None:
     """Check parsed config data iteratively: depth, size, duplicate keys, non-finite
     numbers. Pure. Raises :class:`ConfigError` with the value's ``$``-path."""
     # paths are built only for an error: this runs on every load, 20,000 stages included
-    stack: list[tuple[Any, int, _Link]] = [(data, 0, None)]
+    stack: list[tuple[Value, int, _Link]] = [(data, 0, None)]
     seen = 0
     while stack:
         value, depth, link = stack.pop()
@@ -239,7 +242,7 @@ def check_tree(data: Any, source: str) -> None:
                     path=_path((link, key, False)),
                     source=source,
                 )
-            items: Any = value.items()
+            items: Value = value.items()
             is_index = False
         else:
             items = enumerate(value)
@@ -265,7 +268,7 @@ def check_tree(data: Any, source: str) -> None:
             )
 
 
-def _value_at(data: Any, path: str) -> Any:
+def _value_at(data: Value, path: str) -> Value:
     """The value at a msgspec path suffix like ``.a[2].b`` inside ``data`` (or Ellipsis)."""
     for name, index in re.findall(r"\.([^.\[]+)|\[(\d+)\]", path):
         try:
@@ -275,7 +278,7 @@ def _value_at(data: Any, path: str) -> Any:
     return data
 
 
-def explain_validation_error(exc: msgspec.ValidationError, data: Any) -> tuple[str, str]:
+def explain_validation_error(exc: msgspec.ValidationError, data: Value) -> tuple[str, str]:
     """msgspec's message split into (reason, ``$``-path), the reason ending with the value
     found there (``Expected `int` >= 1, got 0``). Pure."""
     message = str(exc)
@@ -290,7 +293,7 @@ def explain_validation_error(exc: msgspec.ValidationError, data: Any) -> tuple[s
     return reason, path
 
 
-def with_value(reason: str, value: Any) -> str:
+def with_value(reason: str, value: Value) -> str:
     """msgspec's reason with the offending value: ``Expected `int`, got str 'lots'``. Pure."""
     reason = re.sub(r", got `[^`]*`$", "", reason)
     return f"{reason}, got {type(value).__name__} {value!r}"

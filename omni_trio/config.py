@@ -19,12 +19,18 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
-from ._config_read import check_tree, explain_validation_error, json_object, read_config_file
+from ._config_read import (
+    Value,
+    check_tree,
+    explain_validation_error,
+    json_object,
+    read_config_file,
+)
 from ._dotted import DOTTED_PATTERN, is_dotted
 from ._stage_graph import StageGraph, some_ids
 from .errors import ConfigError
@@ -65,7 +71,7 @@ _LEGACY_KEYS = {
 _TIMEOUT = Annotated[float, Meta(gt=0)]
 
 
-def _doc(text: str, **extra: Any) -> Meta:
+def _doc(text: str, **extra: Value) -> Meta:
     return Meta(description=text, **extra)
 
 
@@ -82,9 +88,9 @@ class StageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             },
         ),
     ] = "scripted"
-    engine_args: Annotated[dict[str, Any], _doc("vllm stages: vllm AsyncEngineArgs fields")] = {}
+    engine_args: Annotated[dict[str, Value], _doc("vllm stages: vllm AsyncEngineArgs fields")] = {}
     options: Annotated[
-        dict[str, Any],
+        dict[str, Value],
         _doc(
             "backend options, checked at load against the backend's options "
             "(ScriptedOptions, TorchOptions, VllmOptions, or a user backend's Options)"
@@ -99,14 +105,16 @@ class StageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             extra_json_schema={"pattern": DOTTED_PATTERN},
         ),
     ] = None
-    processor_options: Annotated[dict[str, Any], _doc("options passed to the input processor")] = {}
+    processor_options: Annotated[
+        dict[str, Value], _doc("options passed to the input processor")
+    ] = {}
     stream_input: Annotated[
         bool, _doc("start on streamed partial upstream output instead of waiting for it")
     ] = False
     final_output: Annotated[bool, _doc("its outputs go to callers by default")] = False
     output_type: Annotated[OutputType, _doc("what the stage produces")] = "text"
     default_sampling_params: Annotated[
-        dict[str, Any],
+        dict[str, Value],
         _doc("sampling params merged under each request's (vllm: SamplingParams fields)"),
     ] = {}
     replicas: Annotated[
@@ -202,7 +210,7 @@ def topological_order(cfg: PipelineConfig) -> list[str]:
 # -- loading ------------------------------------------------------------------------------
 
 
-def _parse_overrides(value: Any, source: str) -> dict[str, dict[str, Any]]:
+def _parse_overrides(value: Value, source: str) -> dict[str, dict[str, Value]]:
     if isinstance(value, str):
         try:
             value = json.loads(value, object_pairs_hook=json_object)
@@ -222,7 +230,7 @@ def _parse_overrides(value: Any, source: str) -> dict[str, dict[str, Any]]:
     return {str(k): dict(v) for k, v in value.items()}
 
 
-def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+def _deep_merge(base: dict[str, Value], extra: Mapping[str, Value]) -> dict[str, Value]:
     out = dict(base)
     for k, v in extra.items():
         if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
@@ -232,7 +240,7 @@ def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any
     return out
 
 
-def _as_data(cfg: PipelineConfig) -> dict[str, Any]:
+def _as_data(cfg: PipelineConfig) -> dict[str, Value]:
     # not msgspec.to_builtins: a config built in Python may hold callables (a torch factory)
     data = msgspec.structs.asdict(cfg)
     data["stages"] = [msgspec.structs.asdict(s) for s in cfg.stages]
@@ -241,11 +249,11 @@ def _as_data(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def load_config(
-    config: PipelineConfig | Mapping[str, Any] | str | os.PathLike[str],
+    config: PipelineConfig | Mapping[str, Value] | str | os.PathLike[str],
     /,
     *,
     check_vllm: bool = True,
-    **overrides: Any,
+    **overrides: Value,
 ) -> PipelineConfig:
     """Load, override and validate a pipeline config.
 
@@ -260,7 +268,7 @@ def load_config(
     importing vllm). Raises :class:`ConfigError` naming the source and path.
     """
     source = "<dict>"
-    raw: Any
+    raw: Value
     if isinstance(config, PipelineConfig):
         source = config.source or "<config>"
         raw = _as_data(config)
@@ -396,12 +404,12 @@ def validate(cfg: PipelineConfig, *, check_vllm: bool = True) -> None:
         check_stage(st, i, src, check_vllm=check_vllm)
 
 
-def config_schema() -> dict[str, Any]:
+def config_schema() -> dict[str, Value]:
     """The JSON Schema (draft 2020-12) of a pipeline config file, options of the built-in
     backends included (chosen by each stage's ``backend``). Pure."""
     from .stages.options import BUILTIN_OPTIONS
 
-    types: list[Any] = [PipelineConfig, *BUILTIN_OPTIONS.values()]
+    types: list[Value] = [PipelineConfig, *BUILTIN_OPTIONS.values()]
     _, defs = msgspec.json.schema_components(types, ref_template="#/$defs/{name}")
     pipeline = defs["PipelineConfig"]
     pipeline["properties"].pop("source", None)
@@ -409,7 +417,7 @@ def config_schema() -> dict[str, Any]:
     rules = []
     for backend, options_type in BUILTIN_OPTIONS.items():
         # no `required` for the default backend: a stage without `backend:` is scripted
-        cond: dict[str, Any] = {"properties": {"backend": {"const": backend}}}
+        cond: dict[str, Value] = {"properties": {"backend": {"const": backend}}}
         if backend != "scripted":
             cond["required"] = ["backend"]
         ref = {"$ref": f"#/$defs/{options_type.__name__}"}

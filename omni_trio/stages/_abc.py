@@ -24,7 +24,7 @@ import abc
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -37,7 +37,14 @@ from ..errors import (
     StageRPCError,
     StageStopError,
 )
-from ..outputs import ReplicaState, ReplicaStatistics, StageInput, StageOutput
+from ..outputs import (
+    Payload,
+    ReplicaState,
+    ReplicaStatistics,
+    SamplingParams,
+    StageInput,
+    StageOutput,
+)
 from ._requests import RunningRequest, request_outcome
 
 if TYPE_CHECKING:
@@ -152,11 +159,13 @@ class StageBackend(abc.ABC):
 
     @abc.abstractmethod
     async def _run(
-        self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
+        self, request_id: str, inputs: InputStream, sampling_params: SamplingParams, emit: Emit
     ) -> None:
         """Run one request, calling ``emit`` per output. Cancellation must abort it."""
 
-    async def _rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    async def _rpc(
+        self, method: str, args: tuple[Payload, ...], kwargs: dict[str, Payload]
+    ) -> Payload:
         raise StageRPCError(
             f"stage {self.stage_id!r} ({self.backend_name}) has no rpc method {method!r}",
             stage_id=self.stage_id,
@@ -284,7 +293,7 @@ class StageBackend(abc.ABC):
 
     # -- requests ------------------------------------------------------------------------
     async def run_request(
-        self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
+        self, request_id: str, inputs: InputStream, sampling_params: SamplingParams, emit: Emit
     ) -> None:
         """Run one request on this replica, streaming its outputs through ``emit``.
 
@@ -378,9 +387,9 @@ class StageBackend(abc.ABC):
     async def collective_rpc(
         self,
         method: str,
-        args: Sequence[Any] | None = None,
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> Any:
+        args: Sequence[Payload] | None = None,
+        kwargs: Mapping[str, Payload] | None = None,
+    ) -> Payload:
         """Call ``method`` on this replica (``None`` args or kwargs mean none).
 
         Checkpoints; cancelling the caller cancels the call. Raises :class:`ReplicaDeadError`

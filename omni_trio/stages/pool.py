@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import trio
 
@@ -29,7 +28,7 @@ from ..errors import (
     StageStartError,
     StageStopError,
 )
-from ..outputs import ReplicaStatistics, StageOutput, StageStatistics
+from ..outputs import Payload, ReplicaStatistics, SamplingParams, StageOutput, StageStatistics
 from ._abc import (
     DEFAULT_SHUTDOWN_TIMEOUT,
     Emit,
@@ -242,7 +241,7 @@ class StagePool:
         return backend
 
     async def run_request(
-        self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
+        self, request_id: str, inputs: InputStream, sampling_params: SamplingParams, emit: Emit
     ) -> None:
         """Run a request on a live replica; the binding is gone when this returns.
 
@@ -271,11 +270,11 @@ class StagePool:
     async def collective_rpc(
         self,
         method: str,
-        args: Sequence[Any] | None = None,
-        kwargs: Mapping[str, Any] | None = None,
+        args: Sequence[Payload] | None = None,
+        kwargs: Mapping[str, Payload] | None = None,
         *,
         timeout: float | None = None,  # noqa: ASYNC109 (the engine's API passes it through)
-    ) -> list[Any]:
+    ) -> list[Payload]:
         """Call ``method`` on every replica concurrently; one result per replica, in order.
 
         Checkpoints; cancelling the caller cancels every call. Raises
@@ -283,7 +282,7 @@ class StagePool:
         ``timeout``; :class:`StageRPCError` naming each replica that raised (a dead one
         raises :class:`ReplicaDeadError`), from an ``ExceptionGroup`` of every cause.
         """
-        results: list[Any] = [None] * len(self.replicas)
+        results: list[Payload] = [None] * len(self.replicas)
         answered = [False] * len(self.replicas)
         errors: list[Exception | None] = [None] * len(self.replicas)
 
