@@ -306,6 +306,18 @@ async def test_pipeline_shutdown_timeout_bounds_each_stop(autojump_clock):
     assert isinstance(info.value.__cause__, ExceptionGroup)
 
 
+async def test_a_stages_own_shutdown_timeout_overrides_the_pipelines(autojump_clock):
+    cfg = scripted_pipeline(2, stop_delay_s=100.0, engine_options={"shutdown_timeout": 2.0})
+    cfg = load_config(cfg, stage_overrides={"s1": {"shutdown_timeout": 5.0}})
+    with pytest.raises(StageStopError) as info:
+        async with omni_trio.open_engine(cfg):
+            t0 = trio.current_time()
+    assert trio.current_time() - t0 == pytest.approx(5.0)  # s0 gave up at 2 s, s1 at 5 s
+    timeouts = {name: str(cause) for name, cause in info.value.failures}
+    assert "shutdown_timeout=2.0s" in timeouts["s0[0]"]
+    assert "shutdown_timeout=5.0s" in timeouts["s1[0]"]
+
+
 async def test_failed_stop_surfaces_from_aclose_once(autojump_clock, backends):
     engine = omni_trio.open_engine(one_stage(f"{backends}:BadStop", replicas=2))
     async with engine:

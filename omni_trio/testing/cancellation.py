@@ -57,7 +57,8 @@ class CancellationFailure:
 @dataclass(frozen=True, slots=True)
 class CancellationReport:
     """What :func:`cancel_at_every_checkpoint` found. ``checkpoints`` were counted on the
-    uncancelled run; ``runs`` cancelled runs were made; ``failures`` lists each bad run."""
+    uncancelled run; ``runs`` cancelled runs were made (``checkpoints + 1``: one cancelled
+    before it starts); ``failures`` lists each bad run."""
 
     checkpoints: int
     runs: int
@@ -119,6 +120,8 @@ async def _run_once(
     try:
         with trio.CancelScope() as scope:
             counter.scope = scope
+            if cancel_at == 0:
+                scope.cancel()  # cancelled before it starts: before admission, say
             counter.tasks.add(trio.lowlevel.current_task())
             try:
                 await scenario(engine)
@@ -139,8 +142,9 @@ async def cancel_at_every_checkpoint(
     max_checkpoints: int = 10_000,
     settle_timeout: float = 60.0,
 ) -> CancellationReport:
-    """Run ``await scenario(engine)`` once to count its checkpoints ``n``, then ``n`` more
-    times, cancelling run ``k`` exactly at its ``k``-th checkpoint; after each run, the moment
+    """Run ``await scenario(engine)`` once to count its checkpoints ``n``, then ``n + 1`` more
+    times, cancelling run ``k`` exactly at its ``k``-th checkpoint (run 0: already cancelled
+    when the scenario starts); after each run, the moment
     the cancelled scope has exited, check that nothing is in flight in the engine (the
     orchestrator, every pool and replica) and call ``invariant(engine)`` (it raises
     AssertionError to report a broken invariant of yours).
@@ -160,7 +164,7 @@ async def cancel_at_every_checkpoint(
     if count > max_checkpoints:
         raise ValueError(f"the scenario passed {count} checkpoints, over max_checkpoints")
     failures: list[CancellationFailure] = []
-    for k in range(1, count + 1):
+    for k in range(count + 1):
         _, error = await _run_once(engine, scenario, k, seed=k)
         problems = in_flight_problems(engine)
         if error is not None:
@@ -174,4 +178,4 @@ async def cancel_at_every_checkpoint(
             failures.append(CancellationFailure(k, "; ".join(problems)))
             with trio.move_on_after(settle_timeout):
                 await wait_until_idle(engine)
-    return CancellationReport(checkpoints=count, runs=count, failures=tuple(failures))
+    return CancellationReport(checkpoints=count, runs=count + 1, failures=tuple(failures))
