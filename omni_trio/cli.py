@@ -421,6 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     quiet = args.command in ENGINE_COMMANDS and not args.verbose
+    level_before = os.environ.get("VLLM_LOGGING_LEVEL")
     if not quiet:
         # vLLM logs every engine's full config at INFO: keep the terminal readable
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if args.debug else "WARNING")
@@ -444,6 +445,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             msg = " ".join(str(leaf).split()) or repr(leaf)
             print(f"omni-trio: error: {kind + ': ' if kind else ''}{msg}", file=sys.stderr)
         return exit_code_for(leaf)
+    finally:
+        # main() may run in a longer-lived process (a test, an embedding program): its
+        # vLLM log level must not leak into later commands or the processes they spawn
+        if level_before is None:
+            os.environ.pop("VLLM_LOGGING_LEVEL", None)
+        else:
+            os.environ["VLLM_LOGGING_LEVEL"] = level_before
 
 
 def run() -> NoReturn:

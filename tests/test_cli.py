@@ -203,6 +203,7 @@ class Server:
 
     def __init__(self, argv: list[str]) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("VLLM_LOGGING_LEVEL", None)  # serve's own default (INFO into its log file)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omni_trio", "serve", *argv, "--port", "0"],
             stdout=subprocess.PIPE,
@@ -310,14 +311,18 @@ def test_ctrl_c_during_run_is_one_line(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # a shell runs background jobs (a CI script's, say) with SIGINT ignored, and children
+        # inherit that: Ctrl-C must mean what it means at a terminal
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stdout is not None and proc.stderr is not None
     seen = ""
     while "b:" not in seen:  # the first outputs are streaming: the request is in flight
         seen += proc.stdout.read(1)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(60) == 1
+    rc = proc.wait(60)
     err = proc.stderr.read()
+    assert rc == 1, err
     assert "omni-trio: interrupted" in err and "Traceback" not in err and "error" not in err
 
 
@@ -439,3 +444,14 @@ def test_serve_tiny_omni_chat_and_speech_then_sigterm_leaves_no_engine_process()
     log = log_file(err)
     assert "[shutdown] MPClient: complete" in log
     assert "force killing" not in log and "leaked" not in log
+
+
+def test_main_leaves_the_vllm_log_level_as_it_found_it(tmp_path, monkeypatch, capsys):
+    # main() run in a longer-lived process (tests, an embedding program) must not change the
+    # log level that later commands and their engine processes inherit
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    assert main(["validate", write(tmp_path, TWO_STAGES.format(a="", b=""))]) == 0
+    assert "VLLM_LOGGING_LEVEL" not in os.environ
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+    assert main(["validate", write(tmp_path, TWO_STAGES.format(a="", b=""))]) == 0
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR"
