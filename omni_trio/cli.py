@@ -26,8 +26,8 @@ import trio
 
 from . import __version__
 from .console import chatter_to_log, default_log_path, exit_process, stop_resource_tracker
-from .engine import leaves
 from .errors import ConfigError, InvalidRequestError, StageStopError
+from .failures import leaves
 from .runner import (
     RunSummary,
     StageTimer,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
 from typing import overload
 
@@ -42,57 +42,20 @@ from .errors import (
     EngineClosedError,
     InvalidRequestError,
     StageError,
-    StageStartError,
-    StageStopError,
 )
+from .failures import single_leaf
 from .observer import EngineObserver
 from .orchestrator import Orchestrator
-from .outputs import EngineStatistics, OmniOutput, Payload, Prompt, SamplingParams, StageInput
-from .planning import RequestPlan, plan_request, resolve_sampling_params, stage_ref
+from .outputs import EngineStatistics, OmniOutput, Payload, Prompt, SamplingParams
+from .planning import RoutePlanner, prompt_to_input, resolve_sampling_params, stage_ref
 from .rpc import fan_out_rpc
+from .stages.group import StageGroup
 from .stages.pool import StagePool
 from .streams import RequestStream
 
 __all__ = ["Engine", "open_engine"]
 
 logger = logging.getLogger(__name__)
-
-_PLAN_CACHE_SIZE = 256
-
-
-def prompt_to_input(prompt: object) -> StageInput:
-    """The entry stages' input for a prompt: text, token ids, or a prompt dict. Pure."""
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequestError("prompt is an empty string")
-        return StageInput(prompt=prompt)
-    if isinstance(prompt, Mapping):
-        if not prompt:
-            raise InvalidRequestError("prompt dict is empty")
-        return StageInput(data=dict(prompt))
-    if isinstance(prompt, (list, tuple)):
-        if not prompt:
-            raise InvalidRequestError("prompt token id list is empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-            raise InvalidRequestError("prompt token ids must be non-negative integers")
-        return StageInput(token_ids=tuple(prompt))
-    raise InvalidRequestError(
-        f"prompt must be a str, a list of token ids or a prompt dict, not {type(prompt).__name__}"
-    )
-
-
-def leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    """Every exception inside a (nested) exception group, in order. Pure."""
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        out.extend(leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return out
-
-
-def single_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
-    """The only exception inside a (nested) group, or None if there are several. Pure."""
-    found = leaves(group)
-    return found[0] if len(found) == 1 else None
 
 
 class Engine:
@@ -101,21 +64,14 @@ class Engine:
     def __init__(self, config: PipelineConfig, *, check_vllm: bool = False) -> None:
         self.config = config
         self._check_vllm = check_vllm and any(st.backend == "vllm" for st in config.stages)
-        self.pools: dict[str, StagePool] = {
-            st.id: StagePool(st, stage_index=i, shutdown_timeout=config.shutdown_timeout)
-            for i, st in enumerate(config.stages)
-        }
-        self.orchestrator = Orchestrator(config, self.pools)
-        self.init_timeline: dict[str, dict[str, float]] = {}
+        self.stages = StageGroup(config)
+        self.orchestrator = Orchestrator(config, self.stages.pools)
         self._session: AbstractAsyncContextManager[Engine] | None = None  # while open
         self._state = "new"  # new | starting | open | closing | closed
-        self._stages_scope: trio.CancelScope | None = None
-        self._stages_stopped = trio.Event()
-        self._stop_error: StageStopError | None = None
         self._stop_error_raised = False
         # pending collective_rpc calls: their scope (close cancels it) -> set when they end
         self._rpcs: dict[trio.CancelScope, trio.Event] = {}
-        self._plans: dict[tuple[object, object], RequestPlan] = {}
+        self._planner = RoutePlanner(config)
 
     # -- session -------------------------------------------------------------------------------
     async def __aenter__(self) -> Engine:
@@ -165,7 +121,7 @@ class Engine:
     async def _run(self) -> AsyncIterator[Engine]:
         body_error: BaseException | None = None
         async with trio.open_nursery() as nursery:
-            await nursery.start(self._serve_stages)
+            await nursery.start(self.stages.serve)
             try:
                 async with trio.open_nursery() as requests:
                     await requests.start(self.orchestrator.serve)
@@ -182,92 +138,12 @@ class Engine:
                 # stages' scope is shielded, so only this cancels it
                 with trio.CancelScope(shield=True):
                     await self._rpcs_ended()
-                self._stop_stages()
+                self.stages.stop()
         if body_error is not None:
-            if self._stop_error is not None and not self._stop_error_raised:
-                logger.error("while leaving on %r: %s", body_error, self._stop_error)
+            if self.stages.stop_error is not None and not self._stop_error_raised:
+                logger.error("while leaving on %r: %s", body_error, self.stages.stop_error)
             raise body_error
         self._raise_stop_error()
-
-    async def _serve_stages(self, *, task_status: trio.TaskStatus[None]) -> None:
-        # Own every pool. Start them in parallel; then, shielded from outside cancellation
-        # (requests must end first), run until _stop_stages cancels this scope.
-        try:
-            with trio.CancelScope() as scope:
-                self._stages_scope = scope
-                try:
-                    async with trio.open_nursery() as pools:
-                        await self._start_pools(pools)
-                        scope.shield = True
-                        task_status.started()
-                        await trio.sleep_forever()
-                except BaseExceptionGroup as group:
-                    starts, _ = group.split(StageStartError)
-                    stops, rest = group.split(StageStopError)
-                    if stops is not None:
-                        self._stop_error = merge_stop_errors(stops)
-                    if starts is not None:
-                        # a failed start: stages that started were stopped; a stop failure
-                        # beside it is logged, the start failure is what the caller gets
-                        if self._stop_error is not None:
-                            logger.error("after a failed start: %s", self._stop_error)
-                        leaf = single_leaf(starts)
-                        raise (leaf if leaf is not None else starts) from None
-                    if rest is not None:
-                        # the cancellation that stopped the pools (this scope catches it),
-                        # or a bug: either way not ours to swallow
-                        raise rest from None
-        finally:
-            self._stages_stopped.set()
-
-    async def _start_pools(self, pools: trio.Nursery) -> None:
-        failures: list[StageStartError] = []
-        started: set[str] = set()
-
-        async def start(pool: StagePool) -> None:
-            timeout = pool.config.stage_init_timeout or self.config.stage_init_timeout
-            t0 = trio.current_time()
-            with trio.move_on_after(timeout) as scope:
-                try:
-                    await pools.start(pool.serve)
-                except StageStartError as exc:
-                    failures.append(exc)
-                except Exception as exc:
-                    failure = StageStartError(pool.stage_id, f"{type(exc).__name__}: {exc}")
-                    failure.__cause__ = exc
-                    failures.append(failure)
-                else:
-                    started.add(pool.stage_id)
-                    now = trio.current_time()
-                    self.init_timeline[pool.stage_id] = {
-                        "start": t0,
-                        "ready": now,
-                        "seconds": now - t0,
-                    }
-            if scope.cancelled_caught:
-                failures.append(
-                    StageStartError(
-                        pool.stage_id, f"did not start within stage_init_timeout={timeout}s"
-                    )
-                )
-            if failures:
-                starters.cancel_scope.cancel()
-
-        overall = self.config.init_timeout
-        with trio.move_on_after(overall) if overall else nullcontext() as overall_scope:
-            async with trio.open_nursery() as starters:
-                for pool in self.pools.values():
-                    starters.start_soon(start, pool)
-        if not failures and overall_scope is not None and overall_scope.cancelled_caught:
-            slow = [sid for sid in self.pools if sid not in started]
-            failures.append(
-                StageStartError(
-                    ", ".join(slow), f"the pipeline did not start within init_timeout={overall}s"
-                )
-            )
-        if failures:
-            pools.cancel_scope.cancel()
-            raise merge_start_errors(failures)
 
     def _begin_close(self) -> None:
         if self._state in ("closing", "closed"):
@@ -282,15 +158,12 @@ class Engine:
         while self._rpcs:
             await next(iter(self._rpcs.values())).wait()
 
-    def _stop_stages(self) -> None:
-        if self._stages_scope is not None:
-            self._stages_scope.cancel()
-
     def _raise_stop_error(self) -> None:
         self._state = "closed"
-        if self._stop_error is not None and not self._stop_error_raised:
+        stop_error = self.stages.stop_error
+        if stop_error is not None and not self._stop_error_raised:
             self._stop_error_raised = True
-            raise self._stop_error
+            raise stop_error
 
     async def aclose(self) -> None:
         """End the session: abort every request (each consumer gets its terminal), then stop
@@ -302,8 +175,8 @@ class Engine:
         with trio.CancelScope(shield=True):
             await self.orchestrator.wait_idle()
             await self._rpcs_ended()
-            self._stop_stages()
-            await self._stages_stopped.wait()
+            self.stages.stop()
+            await self.stages.wait_stopped()
         self._raise_stop_error()
 
     # -- requests ----------------------------------------------------------------------------
@@ -314,28 +187,6 @@ class Engine:
                 if self._state in ("closing", "closed")
                 else f"the engine is not open yet ({self._state}); use `async with open_engine()`"
             )
-
-    def _plan(
-        self, final_stage_id: str | int | None, output_stages: Sequence[str | int] | None
-    ) -> RequestPlan:
-        # a plan is computed once per distinct route, not per request
-        key_outputs = (
-            output_stages
-            if output_stages is None or isinstance(output_stages, (str, int))
-            else tuple(output_stages)
-        )
-        key = (final_stage_id, key_outputs)
-        try:
-            return self._plans[key]
-        except (KeyError, TypeError):
-            pass
-        plan = plan_request(self.config, final_stage_id, output_stages)
-        if len(self._plans) < _PLAN_CACHE_SIZE:
-            try:
-                self._plans[key] = plan
-            except TypeError:  # an unhashable stage reference: planned, not cached
-                pass
-        return plan
 
     def generate(
         self,
@@ -357,7 +208,7 @@ class Engine:
         """
         self._check_open()
         first = prompt_to_input(prompt)
-        plan = self._plan(final_stage_id, output_stages)
+        plan = self._planner.plan(final_stage_id, output_stages)
         params = resolve_sampling_params(self.config, sampling_params)
         rid = request_id if request_id is not None else self.orchestrator.new_request_id()
         if not isinstance(rid, str) or not rid:
@@ -471,9 +322,19 @@ class Engine:
         """Attach an :class:`~omni_trio.observer.EngineObserver` (metrics, tracing)."""
         self.orchestrator.observers.add(observer)
 
+    @property
+    def pools(self) -> dict[str, StagePool]:
+        """The stage pools, by stage id (their replicas, bindings and statistics)."""
+        return self.stages.pools
+
+    @property
+    def init_timeline(self) -> dict[str, dict[str, float]]:
+        """Per stage: trio-clock ``start``, ``ready`` and ``seconds`` of its start-up."""
+        return self.stages.init_timeline
+
     def init_phases(self) -> dict[str, list[dict[str, float]]]:
         """Per stage, per replica: seconds from ``start`` to each recorded start-up phase."""
-        return {sid: pool.init_phases() for sid, pool in self.pools.items()}
+        return self.stages.init_phases()
 
     @property
     def closed(self) -> bool:
@@ -494,40 +355,16 @@ class Engine:
             requests_failed=orch.n_failed,
             requests_total=orch.n_total,
             closed=self.closed,
-            stages=tuple(p.statistics() for p in self.pools.values()),
+            stages=self.stages.statistics(),
         )
 
     def __repr__(self) -> str:
-        stages = " ".join(
-            f"{p.stage_id}:{p.live_replicas}/{len(p.replicas)}" for p in self.pools.values()
-        )
+        stages = repr(self.stages)
         return (
             f"<Engine {self.config.name!r} {self._state} "
             f"in_flight={self.orchestrator.requests_in_flight} "
             f"stages=[{stages}]>"
         )
-
-
-def merge_start_errors(failures: Sequence[StageStartError]) -> StageStartError:
-    """One StageStartError for every stage that failed to start, ``from ExceptionGroup`` of
-    them when several did. Pure."""
-    if len(failures) == 1:
-        return failures[0]
-    error = StageStartError(
-        ", ".join(f.stage_id for f in failures), "; ".join(str(f) for f in failures)
-    )
-    error.__cause__ = ExceptionGroup("stage start failures", list(failures))
-    return error
-
-
-def merge_stop_errors(group: BaseExceptionGroup[StageStopError]) -> StageStopError:
-    """One StageStopError listing every replica of every stage whose stop failed. Pure."""
-    stops = [exc for exc in leaves(group) if isinstance(exc, StageStopError)]
-    if len(stops) == 1:
-        return stops[0]
-    error = StageStopError([f for stop in stops for f in stop.failures])
-    error.__cause__ = ExceptionGroup("stage stop failures", stops)
-    return error
 
 
 def open_engine(

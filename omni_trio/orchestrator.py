@@ -21,9 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 
-import outcome
 import trio
 
 from .config import PipelineConfig
@@ -34,130 +32,21 @@ from .errors import (
     OmniTrioError,
     StageError,
 )
-from .lifecycle import ContractViolation, RequestLifecycle, RequestStatus
+from .lifecycle import ContractViolation
 from .observer import ObserverSet
-from .outputs import FINISH_ABORT, OmniOutput, SamplingParams, StageInput, StageOutput
+from .outputs import OmniOutput, SamplingParams, StageInput, StageOutput
 from .planning import RequestPlan
+from .requests import Request, RequestHandle, RequestInfo
 from .routing import StageFeed
 from .stages._abc import StageAborted
 from .stages.pool import StagePool
 from .stages.processors import InputProcessor, load_processor
-from .transport.queue import OutputQueue
 
-__all__ = ["Orchestrator", "RequestHandle", "RequestInfo"]
+__all__ = ["Orchestrator"]
 
 logger = logging.getLogger(__name__)
 
-_Item = OmniOutput | outcome.Error
 _STOPPED = StageOutput(finished=True, finish_reason="stop")
-
-
-@dataclass(frozen=True, slots=True)
-class RequestInfo:
-    """A snapshot of one request in flight (:meth:`Orchestrator.request_info`)."""
-
-    request_id: str
-    status: RequestStatus
-    stages: tuple[str, ...]
-    finished_stages: tuple[str, ...]
-    outputs_produced: int
-    outputs_queued: int
-    abort_requested: bool
-
-    def __repr__(self) -> str:
-        return (
-            f"<RequestInfo {self.request_id!r} {self.status} stages={list(self.stages)} "
-            f"finished={list(self.finished_stages)} produced={self.outputs_produced} "
-            f"queued={self.outputs_queued}{' abort-requested' if self.abort_requested else ''}>"
-        )
-
-
-class _Request:
-    """Everything the orchestrator holds for one request; dropped when its task ends."""
-
-    __slots__ = (
-        "done",
-        "error",
-        "first_input",
-        "lifecycle",
-        "params",
-        "plan",
-        "produced",
-        "queue",
-        "scope",
-    )
-
-    def __init__(
-        self,
-        request_id: str,
-        plan: RequestPlan,
-        first_input: StageInput,
-        params: Mapping[str, SamplingParams],
-        window: int,
-    ) -> None:
-        self.plan = plan
-        self.first_input = first_input
-        self.params = params
-        self.lifecycle = RequestLifecycle(request_id, plan.outputs)
-        self.queue: OutputQueue[_Item] = OutputQueue(window)
-        self.scope = trio.CancelScope()
-        self.done = trio.Event()
-        self.produced: list[OmniOutput] = []
-        self.error: BaseException | None = None  # set when the request ends failed
-
-    @property
-    def request_id(self) -> str:
-        return self.lifecycle.request_id
-
-    def __repr__(self) -> str:
-        return (
-            f"<request {self.request_id!r} {self.lifecycle.status} stages={list(self.plan.active)}>"
-        )
-
-
-class RequestHandle:
-    """The consumer's narrow handle on one admitted request (see :class:`RequestStream`)."""
-
-    __slots__ = ("_orch", "_req")
-
-    def __init__(self, orchestrator: Orchestrator, request: _Request) -> None:
-        self._orch = orchestrator
-        self._req = request
-
-    @property
-    def request_id(self) -> str:
-        return self._req.request_id
-
-    @property
-    def status(self) -> RequestStatus:
-        return self._req.lifecycle.status
-
-    async def receive(self) -> OmniOutput:
-        """The next output, terminals included. Always checkpoints. Raises
-        ``trio.EndOfChannel`` after the last one, or the request's error if it failed."""
-        item = await self._req.queue.receive()
-        if isinstance(item, outcome.Error):
-            item.unwrap()
-        assert isinstance(item, OmniOutput)
-        return item
-
-    def cancel(self) -> None:
-        """Abort the request without waiting. Synchronous; a no-op once it ended."""
-        self._orch._request_abort(self._req)
-
-    async def cancel_and_wait(self) -> None:
-        """Abort the request (if it still runs) and wait, shielded, until every stage dropped
-        it. Always checkpoints; not cancellable (the wait is bounded by the stages' abort)."""
-        await self._orch._cancel_and_wait(self._req)
-
-    async def abort(self) -> list[OmniOutput]:
-        """Abort and wait; the outputs so far (see :meth:`Orchestrator.abort`)."""
-        return await self._orch._abort(self._req)
-
-    def close_receiver(self) -> None:
-        """The consumer stops reading: later outputs are dropped, and a stage delivering one
-        finds the consumer gone, which aborts the request. Synchronous."""
-        self._req.queue.close_receiver()
 
 
 class Orchestrator:
@@ -168,7 +57,7 @@ class Orchestrator:
         self._pools = dict(pools)
         self._nursery: trio.Nursery | None = None
         self._closing = trio.Event()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._processors: dict[str, InputProcessor] = {
             st.id: load_processor(
@@ -223,17 +112,16 @@ class Orchestrator:
                 f"{len(self._requests)} requests in flight, the limit "
                 f"(max_requests_in_flight) is {limit}"
             )
-        req = _Request(request_id, plan, first_input, params, self.config.output_buffer)
-        req.lifecycle.start()
+        req = Request(request_id, plan, first_input, params, self.config.output_buffer)
         self._requests[request_id] = req
         self.n_total += 1
         if self.observers:
             self.observers.emit("request_started", request_id)
         self._nursery.start_soon(self._run_request, req, name=request_id)
-        return RequestHandle(self, req)
+        return RequestHandle(req)
 
     # -- the request task ----------------------------------------------------------------------
-    async def _run_request(self, req: _Request) -> None:
+    async def _run_request(self, req: Request) -> None:
         plan = req.plan
         feeds: list[StageFeed] = []
         try:
@@ -273,7 +161,7 @@ class Orchestrator:
 
     async def _run_stage(
         self,
-        req: _Request,
+        req: Request,
         sid: str,
         inputs: trio.MemoryReceiveChannel[StageInput],
         feeds: list[StageFeed],
@@ -296,10 +184,10 @@ class Orchestrator:
                         await pool.run_request(rid, inputs, req.params[sid], outbox_send.send)
                 except StageAborted:
                     # dropped through a direct backend/pool abort: an abort, not a failure
-                    self._request_abort(req)
+                    req.request_abort()
                     return
                 except Exception as exc:
-                    self._fail(req, sid, exc)
+                    req.fail(sid, exc)
                     return
                 completed = True
 
@@ -322,7 +210,7 @@ class Orchestrator:
                 except OmniTrioError as exc:
                     # a routing failure (contract, input processor): cancels the request,
                     # and with it this stage's backend
-                    self._fail(req, sid, exc)
+                    req.fail(sid, exc)
         finally:
             if req.lifecycle.failed and status != "finished":
                 status = "failed"
@@ -330,7 +218,7 @@ class Orchestrator:
                 self.observers.emit("stage_finished", rid, sid, status)
 
     async def _route(
-        self, req: _Request, sid: str, out: StageOutput, feeds: list[StageFeed], first: bool
+        self, req: Request, sid: str, out: StageOutput, feeds: list[StageFeed], first: bool
     ) -> None:
         """Deliver one output of stage ``sid``: to the caller (if an output stage) and to the
         downstream feeds. Checkpoints only when a channel is full (backpressure); the routing
@@ -372,82 +260,43 @@ class Orchestrator:
                     await req.queue.send(omni)
             except trio.BrokenResourceError:
                 # the consumer stopped listening: that is an abort
-                self._request_abort(req)
+                req.request_abort()
                 await trio.lowlevel.checkpoint()
         for feed in feeds:
             chunk = feed.take(sid, out)
             if chunk is not None:
                 await feed.send(sid, chunk)
 
-    def _fail(self, req: _Request, sid: str, exc: BaseException) -> None:
-        """Record a request-scoped failure of stage ``sid`` and cancel the request."""
-        if isinstance(exc, StageError):
-            exc.request_id = exc.request_id or req.request_id
-            exc.stage_id = exc.stage_id or sid
-            error: BaseException = exc
-        elif isinstance(exc, OmniTrioError):
-            error = exc
-        else:
-            error = StageError(
-                f"stage {sid!r} failed request {req.request_id!r}: {type(exc).__name__}: {exc}",
-                stage_id=sid,
-                request_id=req.request_id,
-            )
-            error.__cause__ = exc
-        if req.lifecycle.abort_requested:
-            # an error while the request is being aborted (or the engine closing) must not
-            # vanish into the abort: it fails the request, and it is logged here
-            logger.warning(
-                "request %r failed in stage %r while being aborted: %r", req.request_id, sid, error
-            )
-        req.lifecycle.fail(error)
-        req.scope.cancel()
-
-    def _finish(self, req: _Request) -> None:
-        status = req.lifecycle.end()
+    def _finish(self, req: Request) -> None:
+        status = req.end(self._terminal)
         if status == "failed":
             self.n_failed += 1
-            req.error = request_error(req.request_id, req.lifecycle.errors)
-            req.queue.send_final_nowait(outcome.Error(req.error))
         elif status == "aborted":
             self.n_aborted += 1
-            for sid in req.lifecycle.abort_terminals():
-                index = self._index[sid]
-                req.queue.send_final_nowait(
-                    OmniOutput(
-                        request_id=req.request_id,
-                        stage_id=sid,
-                        stage_index=index,
-                        kind=self.config.stages[index].output_type,
-                        finished=True,
-                        finish_reason=FINISH_ABORT,
-                    )
-                )
         else:
             self.n_finished += 1
-        req.queue.close()
         del self._requests[req.request_id]
         if self.observers:
             self.observers.emit("request_finished", req.request_id, status)
-        req.done.set()
+
+    def _terminal(self, request_id: str, stage_id: str, finish_reason: str) -> OmniOutput:
+        index = self._index[stage_id]
+        return OmniOutput(
+            request_id=request_id,
+            stage_id=stage_id,
+            stage_index=index,
+            kind=self.config.stages[index].output_type,
+            finished=True,
+            finish_reason=finish_reason,
+        )
 
     # -- control -----------------------------------------------------------------------------
-    def _request_abort(self, req: _Request) -> None:
-        if req.lifecycle.request_abort():
-            req.scope.cancel()
-
-    async def _cancel_and_wait(self, req: _Request) -> None:
-        # the one place that aborts a request and waits until every stage dropped it
-        self._request_abort(req)
-        with trio.CancelScope(shield=True):
-            await req.done.wait()
-
     def abort_nowait(self, request_id: str) -> bool:
         """Cancel a request's scope; False if it is unknown or already ended. Synchronous."""
         req = self._requests.get(request_id)
         if req is None:
             return False
-        self._request_abort(req)
+        req.request_abort()
         return True
 
     async def abort(self, request_id: str) -> list[OmniOutput]:
@@ -462,56 +311,26 @@ class Orchestrator:
         if req is None:
             await trio.lowlevel.checkpoint()
             return []
-        return await self._abort(req)
-
-    async def _abort(self, req: _Request) -> list[OmniOutput]:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        if req.done.is_set():
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return []
-        await self._cancel_and_wait(req)
-        produced = list(req.produced)
-        error = req.error
-        if error is not None:
-            if isinstance(error, StageError):
-                error.partial_outputs = produced
-                raise error
-            raise StageError(
-                f"request {req.request_id!r} failed while being aborted: {error}",
-                request_id=req.request_id,
-                partial_outputs=produced,
-            ) from error
-        return produced
+        return await req.abort()
 
     def close(self) -> None:
         """Stop admission and abort every request. Synchronous; :meth:`serve` returns once
         they all ended. Idempotent."""
         self.closed = True
         for req in list(self._requests.values()):
-            self._request_abort(req)
+            req.request_abort()
         self._closing.set()
 
     async def wait_idle(self) -> None:
         """Wait until no request is in flight (event-driven). Always checkpoints."""
         await trio.lowlevel.checkpoint()
         while self._requests:
-            await next(iter(self._requests.values())).done.wait()
+            await next(iter(self._requests.values())).wait_ended()
 
     def request_info(self, request_id: str) -> RequestInfo | None:
         """A frozen snapshot of a request in flight, or None (unknown or ended)."""
         req = self._requests.get(request_id)
-        if req is None:
-            return None
-        lc = req.lifecycle
-        return RequestInfo(
-            request_id=request_id,
-            status=lc.status,
-            stages=req.plan.active,
-            finished_stages=tuple(s for s in req.plan.active if lc.stage_finished(s)),
-            outputs_produced=len(req.produced),
-            outputs_queued=req.queue.statistics().items,
-            abort_requested=lc.abort_requested,
-        )
+        return None if req is None else req.info()
 
     @property
     def requests_in_flight(self) -> int:
@@ -523,20 +342,3 @@ class Orchestrator:
             f"finished={self.n_finished} aborted={self.n_aborted} failed={self.n_failed}"
             f"{' closed' if self.closed else ''}>"
         )
-
-
-def request_error(request_id: str, errors: tuple[BaseException, ...]) -> BaseException:
-    """The one error a failed request raises: its only error, or a StageError naming every
-    failure ``from ExceptionGroup`` of them all (no cause dropped). Pure."""
-    if len(errors) == 1:
-        return errors[0]
-    stages = [getattr(e, "stage_id", None) or "?" for e in errors]
-    first = errors[0]
-    error = StageError(
-        f"request {request_id!r} failed in {len(errors)} places (stages {', '.join(stages)}); "
-        f"first: {first}",
-        stage_id=getattr(first, "stage_id", None),
-        request_id=request_id,
-    )
-    error.__cause__ = BaseExceptionGroup(f"request {request_id!r} failures", list(errors))
-    return error

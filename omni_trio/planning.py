@@ -10,9 +10,16 @@ from dataclasses import dataclass
 
 from .config import PipelineConfig, topological_order
 from .errors import InvalidRequestError
-from .outputs import SamplingParams
+from .outputs import SamplingParams, StageInput
 
-__all__ = ["RequestPlan", "plan_request", "resolve_sampling_params", "stage_ref"]
+__all__ = [
+    "RequestPlan",
+    "RoutePlanner",
+    "plan_request",
+    "prompt_to_input",
+    "resolve_sampling_params",
+    "stage_ref",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +28,28 @@ class RequestPlan:
 
     active: tuple[str, ...]
     outputs: tuple[str, ...]
+
+
+def prompt_to_input(prompt: object) -> StageInput:
+    """The entry stages' input for a prompt: text, token ids, or a prompt dict (pure).
+    Raises InvalidRequestError saying what is wrong with it."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt is an empty string")
+        return StageInput(prompt=prompt)
+    if isinstance(prompt, Mapping):
+        if not prompt:
+            raise InvalidRequestError("prompt dict is empty")
+        return StageInput(data=dict(prompt))
+    if isinstance(prompt, (list, tuple)):
+        if not prompt:
+            raise InvalidRequestError("prompt token id list is empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            raise InvalidRequestError("prompt token ids must be non-negative integers")
+        return StageInput(token_ids=tuple(prompt))
+    raise InvalidRequestError(
+        f"prompt must be a str, a list of token ids or a prompt dict, not {type(prompt).__name__}"
+    )
 
 
 def stage_ref(cfg: PipelineConfig, ref: str | int, what: str) -> str:
@@ -78,6 +107,40 @@ def plan_request(
     active = tuple(s for s in topological_order(cfg) if s in needed)
     order = cfg.stage_ids
     return RequestPlan(active=active, outputs=tuple(sorted(outs, key=order.index)))
+
+
+class RoutePlanner:
+    """Plans a pipeline's requests once per distinct route (``final_stage_id`` and
+    ``output_stages``), not per request. Synchronous; keeps at most ``size`` routes."""
+
+    def __init__(self, cfg: PipelineConfig, size: int = 256) -> None:
+        self._cfg = cfg
+        self._size = size
+        self._plans: dict[tuple[object, object], RequestPlan] = {}
+
+    def plan(
+        self,
+        final_stage_id: str | int | None = None,
+        output_stages: Sequence[str | int] | None = None,
+    ) -> RequestPlan:
+        """:func:`plan_request` for this pipeline, remembered. Raises InvalidRequestError."""
+        outputs = (
+            output_stages
+            if output_stages is None or isinstance(output_stages, (str, int))
+            else tuple(output_stages)
+        )
+        key = (final_stage_id, outputs)
+        try:
+            return self._plans[key]
+        except (KeyError, TypeError):  # a new route, or an unhashable stage reference
+            pass
+        plan = plan_request(self._cfg, final_stage_id, output_stages)
+        if len(self._plans) < self._size:
+            try:
+                self._plans[key] = plan
+            except TypeError:
+                pass
+        return plan
 
 
 def _keyed_by_stage(cfg: PipelineConfig, value: Mapping[object, object]) -> bool:

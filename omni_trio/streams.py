@@ -20,9 +20,9 @@ from types import TracebackType
 import trio
 
 from .errors import OmniTrioError
-from .orchestrator import RequestHandle
 from .outputs import OmniOutput, SamplingParams, StageInput
 from .planning import RequestPlan
+from .requests import RequestHandle
 
 __all__ = ["RequestStream"]
 

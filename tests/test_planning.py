@@ -41,3 +41,16 @@ def test_sampling_params_resolution():
     assert resolve_sampling_params(cfg, {1: {"max_tokens": 2}})["b"] == {"max_tokens": 2}
     marker = object()
     assert resolve_sampling_params(cfg, marker) == {"a": marker, "b": marker}
+
+
+def test_route_planner_plans_each_route_once():
+    from omni_trio.planning import RoutePlanner
+    from omni_trio.testing import scripted_pipeline
+
+    planner = RoutePlanner(scripted_pipeline(3, final_outputs=["s1", "s2"]))
+    first = planner.plan(final_stage_id=1)
+    assert first.active == ("s0", "s1") and first.outputs == ("s1",)
+    assert planner.plan(final_stage_id=1) is first  # remembered, not recomputed
+    assert planner.plan(output_stages=["s2", "s1"]) is planner.plan(output_stages=("s2", "s1"))
+    with pytest.raises(InvalidRequestError, match="'nope' is not a stage"):
+        planner.plan(final_stage_id="nope")

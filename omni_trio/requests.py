@@ -1,0 +1,247 @@
+"""One admitted request: its state (:class:`Request`, owned by the orchestrator), the
+consumer's narrow :class:`RequestHandle` on it, and a frozen :class:`RequestInfo` snapshot.
+
+A :class:`Request` changes only through its own methods: an abort is requested
+(:meth:`Request.request_abort`), a stage fails it (:meth:`Request.fail`), its task ends
+(:meth:`Request.end`, which decides the outcome with the pure
+:class:`~omni_trio.lifecycle.RequestLifecycle` and queues the terminal outputs or the error
+to the consumer, through the same queue as every other output). "Cancel and wait until every
+stage dropped it" is written once, :meth:`Request.cancel_and_wait`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import outcome
+import trio
+
+from .errors import OmniTrioError, StageError
+from .failures import request_error
+from .lifecycle import RequestLifecycle, RequestStatus
+from .outputs import FINISH_ABORT, OmniOutput, SamplingParams, StageInput
+from .planning import RequestPlan
+from .transport.queue import OutputQueue
+
+__all__ = ["Request", "RequestHandle", "RequestInfo"]
+
+logger = logging.getLogger(__name__)
+
+_Item = OmniOutput | outcome.Error
+#: builds a stage's terminal OmniOutput (request id, stage id, finish reason)
+Terminal = Callable[[str, str, str], OmniOutput]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """A snapshot of one request in flight (``Orchestrator.request_info``)."""
+
+    request_id: str
+    status: RequestStatus
+    stages: tuple[str, ...]
+    finished_stages: tuple[str, ...]
+    outputs_produced: int
+    outputs_queued: int
+    abort_requested: bool
+
+    def __repr__(self) -> str:
+        return (
+            f"<RequestInfo {self.request_id!r} {self.status} stages={list(self.stages)} "
+            f"finished={list(self.finished_stages)} produced={self.outputs_produced} "
+            f"queued={self.outputs_queued}{' abort-requested' if self.abort_requested else ''}>"
+        )
+
+
+class Request:
+    """Everything the orchestrator holds for one request; dropped when its task ends."""
+
+    __slots__ = (
+        "_done",
+        "_error",
+        "first_input",
+        "lifecycle",
+        "params",
+        "plan",
+        "produced",
+        "queue",
+        "scope",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        plan: RequestPlan,
+        first_input: StageInput,
+        params: Mapping[str, SamplingParams],
+        window: int,
+    ) -> None:
+        self.plan = plan
+        self.first_input = first_input
+        self.params = params
+        self.lifecycle = RequestLifecycle(request_id, plan.outputs)
+        self.lifecycle.start()
+        self.queue: OutputQueue[_Item] = OutputQueue(window)
+        self.scope = trio.CancelScope()
+        self.produced: list[OmniOutput] = []
+        self._done = trio.Event()
+        self._error: BaseException | None = None  # set when the request ends failed
+
+    @property
+    def request_id(self) -> str:
+        return self.lifecycle.request_id
+
+    @property
+    def ended(self) -> bool:
+        return self._done.is_set()
+
+    # -- transitions -------------------------------------------------------------------------
+    def request_abort(self) -> None:
+        """Abort: cancel the request's scope. Synchronous; a no-op once it ended."""
+        if self.lifecycle.request_abort():
+            self.scope.cancel()
+
+    def fail(self, stage_id: str, exc: BaseException) -> None:
+        """Record a request-scoped failure of stage ``stage_id`` and cancel the request.
+        Synchronous. An error while the request is being aborted is logged here too: it
+        fails the request instead of vanishing into the abort."""
+        if isinstance(exc, StageError):
+            exc.request_id = exc.request_id or self.request_id
+            exc.stage_id = exc.stage_id or stage_id
+            error: BaseException = exc
+        elif isinstance(exc, OmniTrioError):
+            error = exc
+        else:
+            error = StageError(
+                f"stage {stage_id!r} failed request {self.request_id!r}: "
+                f"{type(exc).__name__}: {exc}",
+                stage_id=stage_id,
+                request_id=self.request_id,
+            )
+            error.__cause__ = exc
+        if self.lifecycle.abort_requested:
+            logger.warning(
+                "request %r failed in stage %r while being aborted: %r",
+                self.request_id,
+                stage_id,
+                error,
+            )
+        self.lifecycle.fail(error)
+        self.scope.cancel()
+
+    def end(self, terminal: Terminal) -> RequestStatus:
+        """The request's task ended: decide its status, queue its terminal outputs (an aborted
+        request: one per output stage without its own) or its error (a failed one), end the
+        queue, and wake everyone waiting on it. Synchronous; returns the status."""
+        status = self.lifecycle.end()
+        if status == "failed":
+            self._error = request_error(self.request_id, self.lifecycle.errors)
+            self.queue.send_final_nowait(outcome.Error(self._error))
+        elif status == "aborted":
+            for sid in self.lifecycle.abort_terminals():
+                self.queue.send_final_nowait(terminal(self.request_id, sid, FINISH_ABORT))
+        self.queue.close()
+        self._done.set()
+        return status
+
+    # -- waiting -----------------------------------------------------------------------------
+    async def wait_ended(self) -> None:
+        """Wait until the request ended (every stage dropped it). Always checkpoints."""
+        await self._done.wait()
+
+    async def cancel_and_wait(self) -> None:
+        """Abort the request (if it still runs) and wait, shielded, until every stage dropped
+        it. Always checkpoints; not cancellable (bounded by the stages' abort)."""
+        self.request_abort()
+        with trio.CancelScope(shield=True):
+            await self._done.wait()
+
+    async def abort(self) -> list[OmniOutput]:
+        """Abort and wait; the outputs so far (``[]`` if it had ended already).
+
+        Always checkpoints. Cancelled before the abort is committed: nothing happens; once
+        committed the wait is shielded. Raises the request's :class:`StageError` (with
+        ``exc.partial_outputs``) if a stage failed it, even while it was being aborted.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self.ended:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return []
+        await self.cancel_and_wait()
+        produced = list(self.produced)
+        error = self._error
+        if error is None:
+            return produced
+        if isinstance(error, StageError):
+            error.partial_outputs = produced
+            raise error
+        raise StageError(
+            f"request {self.request_id!r} failed while being aborted: {error}",
+            request_id=self.request_id,
+            partial_outputs=produced,
+        ) from error
+
+    def info(self) -> RequestInfo:
+        lc = self.lifecycle
+        return RequestInfo(
+            request_id=self.request_id,
+            status=lc.status,
+            stages=self.plan.active,
+            finished_stages=tuple(s for s in self.plan.active if lc.stage_finished(s)),
+            outputs_produced=len(self.produced),
+            outputs_queued=self.queue.statistics().items,
+            abort_requested=lc.abort_requested,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<Request {self.request_id!r} {self.lifecycle.status} "
+            f"stages={list(self.plan.active)} outputs={len(self.produced)}>"
+        )
+
+
+class RequestHandle:
+    """The consumer's narrow handle on one admitted request (see ``RequestStream``)."""
+
+    __slots__ = ("_req",)
+
+    def __init__(self, request: Request) -> None:
+        self._req = request
+
+    @property
+    def request_id(self) -> str:
+        return self._req.request_id
+
+    @property
+    def status(self) -> RequestStatus:
+        return self._req.lifecycle.status
+
+    async def receive(self) -> OmniOutput:
+        """The next output, terminals included. Always checkpoints. Raises
+        ``trio.EndOfChannel`` after the last one, or the request's error if it failed."""
+        item = await self._req.queue.receive()
+        if isinstance(item, outcome.Error):
+            item.unwrap()
+        assert isinstance(item, OmniOutput)
+        return item
+
+    def cancel(self) -> None:
+        """Abort the request without waiting. Synchronous; a no-op once it ended."""
+        self._req.request_abort()
+
+    async def cancel_and_wait(self) -> None:
+        """See :meth:`Request.cancel_and_wait`."""
+        await self._req.cancel_and_wait()
+
+    async def abort(self) -> list[OmniOutput]:
+        """See :meth:`Request.abort`."""
+        return await self._req.abort()
+
+    def close_receiver(self) -> None:
+        """The consumer stops reading: later outputs are dropped, and a stage delivering one
+        finds the consumer gone, which aborts the request. Synchronous."""
+        self._req.queue.close_receiver()
+
+    def __repr__(self) -> str:
+        return f"<RequestHandle {self._req!r}>"
