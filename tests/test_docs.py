@@ -194,6 +194,17 @@ def test_readme_links_resolve() -> None:
         assert (ROOT / target).exists(), f"README links to missing {target}"
 
 
+def test_readme_layout_names_existing_modules() -> None:
+    section = README[README.index("## Layout") : README.index("## License")]
+    names = set(re.findall(r"`([\w.]+\.py|\w+/)`", section))
+    package = ROOT / "omni_trio"
+    existing = {f.name for f in package.rglob("*.py")} | {
+        d.name + "/" for d in [*package.iterdir(), *ROOT.iterdir()] if d.is_dir()
+    }
+    assert names, "the Layout section names no module"
+    assert names <= existing, f"README's Layout names missing modules: {sorted(names - existing)}"
+
+
 # -- license and ignores -------------------------------------------------------------------
 
 
