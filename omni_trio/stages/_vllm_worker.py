@@ -95,6 +95,7 @@ class _SpawnWindow:
     def __init__(self, env: dict[str, str]) -> None:
         self._env = env
         self._saved: dict[str, str | None] = {}
+        self.before: set[int] = set()
         self._state = threading.Lock()
         self.opened = threading.Event()
         self._closed = False
@@ -104,6 +105,11 @@ class _SpawnWindow:
         for key, value in self._env.items():
             self._saved[key] = os.environ.get(key)
             os.environ[key] = value
+        # the processes already there when the window opened: only a child that is not one
+        # of them is this engine's (taken before `opened` is set, so that a watcher never
+        # mistakes another engine's young EngineCore for this one's and closes the window
+        # before this engine has spawned)
+        self.before = set(_engine_core_children(set()))
         self.opened.set()
 
     def close(self) -> None:
@@ -230,14 +236,12 @@ class EngineWorker:
         if isinstance(bind, (list, tuple)):
             bind = bind[self.replica % len(bind)] if bind else None
         window = _SpawnWindow({} if bind is None else {"VLLM_CPU_OMP_THREADS_BIND": str(bind)})
-        before: set[int] = set()
 
         def build() -> None:
             # Runs in a helper thread: construction blocks ~20 s and must not stall the
             # worker loop, which watches for cancel_start meanwhile.
             try:
                 window.open()
-                before.update(_engine_core_children(set()))
                 if not self._stop_start.is_set():
                     result.append(v.AsyncLLM.from_engine_args(engine_args))
                 else:
@@ -257,7 +261,7 @@ class EngineWorker:
                 with trio.move_on_after(0.05):
                     await done.wait()
                 if window.opened.is_set() and not self.core_pids:
-                    self.core_pids.extend(_engine_core_children(before))
+                    self.core_pids.extend(_engine_core_children(window.before))
                     if self.core_pids:
                         window.close()
                 if self._stop_start.is_set():
