@@ -41,12 +41,15 @@ from .routing import StageFeed
 from .stages._abc import StageAborted
 from .stages.pool import StagePool
 from .stages.processors import InputProcessor, load_processor
+from .transport.queue import OutputQueue
 
 __all__ = ["Orchestrator"]
 
 logger = logging.getLogger(__name__)
 
 _STOPPED = StageOutput(finished=True, finish_reason="stop")
+#: what a stage's outbox ends with when its backend returned normally
+_COMPLETED = StageOutput(finished=True, finish_reason="completed")
 
 
 class Orchestrator:
@@ -153,64 +156,88 @@ class Orchestrator:
                         for up in st.inputs:
                             feeds_of[up].append(feed)
                     for sid in plan.active:
-                        nursery.start_soon(self._run_stage, req, sid, inputs[sid], feeds_of[sid])
+                        outbox: OutputQueue[StageOutput] = OutputQueue(self.config.output_buffer)
+                        nursery.start_soon(self._run_backend, req, sid, inputs[sid], outbox)
+                        nursery.start_soon(self._route_stage, req, sid, outbox, feeds_of[sid])
         finally:
             for feed in feeds:
                 feed.close()
             self._finish(req)
 
-    async def _run_stage(
+    async def _run_backend(
         self,
         req: Request,
         sid: str,
         inputs: trio.MemoryReceiveChannel[StageInput],
-        feeds: list[StageFeed],
+        outbox: OutputQueue[StageOutput],
     ) -> None:
-        rid = req.request_id
-        pool = self._pools[sid]
-        outbox_send, outbox = trio.open_memory_channel[StageOutput](self.config.output_buffer)
-        completed = False
-        status = "aborted"
-        if self.observers:
-            self.observers.emit("stage_started", rid, sid)
-
-        async def run_backend() -> None:
-            # the backend's emit only queues into the outbox: routing happens in this stage's
-            # routing loop below, never in the backend's call stack
-            nonlocal completed
-            async with outbox_send:
-                try:
-                    with inputs:
-                        await pool.run_request(rid, inputs, req.params[sid], outbox_send.send)
-                except StageAborted:
-                    # dropped through a direct backend/pool abort: an abort, not a failure
-                    req.request_abort()
-                    return
-                except Exception as exc:
-                    req.fail(sid, exc)
-                    return
-                completed = True
+        # Runs the request on the stage's pool. The backend's emit only puts its outputs into
+        # the stage's bounded outbox (with room it does not even yield); the stage's routing
+        # task (_route_stage: the orchestrator's code, never the backend's call stack)
+        # delivers them. The outbox ends with a completion marker only on a normal end.
+        async def emit(out: StageOutput) -> None:
+            try:
+                outbox.send_nowait(out)
+            except trio.WouldBlock:
+                await outbox.send(out)
 
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(run_backend)
+            with inputs:
+                await self._pools[sid].run_request(req.request_id, inputs, req.params[sid], emit)
+            outbox.send_final_nowait(_COMPLETED)
+        except StageAborted:
+            # dropped through a direct backend/pool abort: an abort, not a failure
+            req.request_abort()
+        except Exception as exc:
+            req.fail(sid, exc)
+        finally:
+            outbox.close()
+
+    async def _route_stage(
+        self, req: Request, sid: str, outbox: OutputQueue[StageOutput], feeds: list[StageFeed]
+    ) -> None:
+        rid = req.request_id
+        status = "aborted"
+        first = True
+        completed = False
+        # Outputs nobody needs promptly (no caller gets them, no downstream stage streams
+        # them) are routed in batches: after the first one (its time is a metric), this task
+        # wakes when the outbox is full or the backend ended, not once per output.
+        batch = sid not in req.plan.outputs and not any(f.streams for f in feeds)
+        if self.observers:
+            self.observers.emit("stage_started", rid, sid)
+        try:
+            while True:
+                # take what is queued without a scheduler trip; wait only when nothing is
                 try:
-                    first = True
-                    async for out in outbox:
-                        await self._route(req, sid, out, feeds, first)
-                        first = False
-                    if completed and not req.lifecycle.failed:
-                        if not req.lifecycle.stage_finished(sid):
-                            # the backend ended without a finished output; the caller gets one
-                            await self._route(req, sid, _STOPPED, feeds, first)
-                        for feed in feeds:
-                            if feed.finish(sid):
-                                await feed.send_final(feed.final_chunk())
-                        status = "finished"
-                except OmniTrioError as exc:
-                    # a routing failure (contract, input processor): cancels the request,
-                    # and with it this stage's backend
-                    req.fail(sid, exc)
+                    out = outbox.receive_nowait()
+                except trio.WouldBlock:
+                    if batch and not first:
+                        await outbox.wait_full()
+                        continue
+                    try:
+                        out = await outbox.receive()
+                    except trio.EndOfChannel:
+                        break
+                except trio.EndOfChannel:
+                    break
+                if out is _COMPLETED:
+                    completed = True
+                    continue
+                await self._route(req, sid, out, feeds, first)
+                first = False
+            if completed and not req.lifecycle.failed:
+                if not req.lifecycle.stage_finished(sid):
+                    # the backend ended without a finished output; the caller gets one
+                    await self._route(req, sid, _STOPPED, feeds, first)
+                for feed in feeds:
+                    if feed.finish(sid):
+                        await feed.send_final(feed.final_chunk())
+                status = "finished"
+        except OmniTrioError as exc:
+            # a routing failure (contract, input processor): cancels the request, and with
+            # it this stage's backend
+            req.fail(sid, exc)
         finally:
             if req.lifecycle.failed and status != "finished":
                 status = "failed"

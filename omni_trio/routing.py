@@ -89,6 +89,11 @@ class StageFeed:
             )
         return chunk
 
+    @property
+    def streams(self) -> bool:
+        """Whether the downstream stage takes its input as it comes (``stream_input``)."""
+        return self._stream
+
     def take(self, source: str, out: StageOutput) -> StageInput | None:
         """Take one output of upstream stage ``source``; the chunk to send now, if any.
 

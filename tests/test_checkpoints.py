@@ -14,7 +14,7 @@ from omni_trio.testing import assert_nothing_in_flight, scripted_pipeline, wait_
 
 
 async def test_engine_methods_always_checkpoint(autojump_clock):
-    engine = omni_trio.open_engine(scripted_pipeline(2, outputs=2))
+    engine = omni_trio.open_engine(scripted_pipeline(2, outputs=2, latency_s=1.0))
     with assert_checkpoints():
         await engine.__aenter__()
     try:

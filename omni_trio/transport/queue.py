@@ -42,7 +42,7 @@ class OutputQueueStatistics:
 class OutputQueue(Generic[T]):
     """See the module docstring."""
 
-    __slots__ = ("_closed", "_data", "_items", "_receiver_closed", "_space", "_window")
+    __slots__ = ("_closed", "_data", "_full", "_items", "_receiver_closed", "_space", "_window")
 
     def __init__(self, window: int) -> None:
         if window < 1:
@@ -51,6 +51,7 @@ class OutputQueue(Generic[T]):
         self._items: deque[T] = deque()
         self._data = trio.lowlevel.ParkingLot()  # the receiver waits here for items
         self._space = trio.lowlevel.ParkingLot()  # senders wait here for room
+        self._full = trio.lowlevel.ParkingLot()  # a batch receiver waits for a full window
         self._closed = False
         self._receiver_closed = False
 
@@ -73,7 +74,10 @@ class OutputQueue(Generic[T]):
             await self._space.park()
             waited = True
         self._items.append(item)
-        self._data.unpark()
+        if self._data:  # a waiting receiver (unpark itself costs even when nobody waits)
+            self._data.unpark()
+        if self._full and len(self._items) >= self._window:
+            self._full.unpark()
         if not waited:
             await trio.lowlevel.cancel_shielded_checkpoint()
 
@@ -87,7 +91,10 @@ class OutputQueue(Generic[T]):
         if len(self._items) >= self._window:
             raise trio.WouldBlock
         self._items.append(item)
-        self._data.unpark()
+        if self._data:
+            self._data.unpark()
+        if self._full and len(self._items) >= self._window:
+            self._full.unpark()
 
     def send_final_nowait(self, item: T) -> None:
         """Queue a final item past the window (never waits). Synchronous. Dropped when the
@@ -98,7 +105,8 @@ class OutputQueue(Generic[T]):
         if self._receiver_closed:
             return
         self._items.append(item)
-        self._data.unpark()
+        if self._data:
+            self._data.unpark()
 
     def close(self) -> None:
         """No more items: the receiver gets ``EndOfChannel`` after the queued ones.
@@ -106,6 +114,7 @@ class OutputQueue(Generic[T]):
         self._closed = True
         self._data.unpark_all()
         self._space.unpark_all()
+        self._full.unpark_all()
 
     # -- receiving side ----------------------------------------------------------------------
     async def receive(self) -> T:
@@ -124,10 +133,20 @@ class OutputQueue(Generic[T]):
             await self._data.park()
             waited = True
         item = self._items.popleft()
-        self._space.unpark()
+        if self._space:
+            self._space.unpark()
         if not waited:
             await trio.lowlevel.cancel_shielded_checkpoint()
         return item
+
+    async def wait_full(self) -> None:
+        """Wait until the window is full or the sending side closed (a receiver that takes
+        items in batches, not one wake-up per item). Always checkpoints."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if len(self._items) >= self._window or self._closed or self._receiver_closed:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        await self._full.park()
 
     def receive_nowait(self) -> T:
         """The next item without waiting. Synchronous. Raises ``trio.WouldBlock`` when none is
@@ -136,7 +155,8 @@ class OutputQueue(Generic[T]):
             raise trio.ClosedResourceError("the queue's receiving side is closed")
         if self._items:
             item = self._items.popleft()
-            self._space.unpark()
+            if self._space:
+                self._space.unpark()
             return item
         if self._closed:
             raise trio.EndOfChannel
@@ -149,6 +169,7 @@ class OutputQueue(Generic[T]):
         self._items.clear()
         self._data.unpark_all()
         self._space.unpark_all()
+        self._full.unpark_all()
 
     # -- introspection -----------------------------------------------------------------------
     def statistics(self) -> OutputQueueStatistics:

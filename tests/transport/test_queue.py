@@ -98,3 +98,28 @@ async def test_send_nowait_respects_the_window(autojump_clock):
     q.close_receiver()
     with pytest.raises(trio.BrokenResourceError):
         q.send_nowait(3)
+
+
+async def test_a_batch_receiver_wakes_on_a_full_window_or_the_end(autojump_clock):
+    q: OutputQueue[int] = OutputQueue(3)
+    woke: list[int] = []
+
+    async def batch_receiver() -> None:
+        await q.wait_full()
+        woke.append(q.statistics().items)
+        await q.wait_full()  # the window is still full: returns at once
+        woke.append(q.statistics().items)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(batch_receiver)
+        await q.send(1)
+        await q.send(2)
+        await trio.testing.wait_all_tasks_blocked()
+        assert woke == []  # two items, no wake-up yet
+        await q.send(3)
+    assert woke == [3, 3]
+    q2: OutputQueue[int] = OutputQueue(3)
+    await q2.send(1)
+    q2.close()
+    with trio.testing.assert_checkpoints():
+        await q2.wait_full()  # closed: returns at once, still a checkpoint
