@@ -161,7 +161,10 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, d
     source: str | None = None
 
     # -- graph helpers (O(1) or linear; computed once, see the module docstring) ---------
-    def _graph(self) -> StageGraph:
+    def graph(self) -> StageGraph:
+        """The stage graph (order, indexes, downstream, ancestors), built once and rebuilt
+        only if ``stages`` is replaced. Synchronous. Raises ConfigError for unknown inputs
+        or a cycle."""
         key = (id(self.stages), len(self.stages))
         cached: tuple[tuple[int, int], StageGraph] | None = self.__dict__.get("_graph_cache")
         if cached is None or cached[0] != key:
@@ -172,26 +175,26 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, d
 
     @property
     def stage_ids(self) -> list[str]:
-        return list(self._graph().ids)
+        return list(self.graph().ids)
 
     def stage(self, stage_id: str) -> StageConfig:
         """The stage named ``stage_id``. O(1). Raises KeyError."""
-        return self.stages[self._graph().index[stage_id]]
+        return self.stages[self.graph().index[stage_id]]
 
     def index_of(self, stage_id: str) -> int:
         """The index of the stage named ``stage_id``. O(1). Raises ValueError."""
         try:
-            return self._graph().index[stage_id]
+            return self.graph().index[stage_id]
         except KeyError:
             raise ValueError(f"{stage_id!r} is not a stage of the pipeline") from None
 
     def downstream(self, stage_id: str) -> list[str]:
         """Stages that list ``stage_id`` as an input, in config order."""
-        return list(self._graph().downstream[stage_id])
+        return list(self.graph().downstream[stage_id])
 
     def ancestors(self, stage_id: str) -> set[str]:
         """Stage ids that ``stage_id`` depends on, transitively (not including itself)."""
-        return set(self._graph().ancestors(stage_id))
+        return set(self.graph().ancestors(stage_id))
 
     @property
     def entry_stages(self) -> list[str]:
@@ -204,7 +207,7 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, d
 
 def topological_order(cfg: PipelineConfig) -> list[str]:
     """Stage ids, every stage after all of its inputs; ties keep config order. Cached."""
-    return list(cfg._graph().order)
+    return list(cfg.graph().order)
 
 
 # -- loading ------------------------------------------------------------------------------
@@ -393,7 +396,7 @@ def validate(cfg: PipelineConfig, *, check_vllm: bool = True) -> None:
             source=src,
         )
     cfg.__dict__.pop("_graph_cache", None)
-    cfg._graph()  # unknown inputs, cycles
+    cfg.graph()  # unknown inputs, cycles
     if not cfg.final_output_stages:
         raise ConfigError(
             "no stage has final_output: true, so callers would receive nothing",

@@ -130,17 +130,22 @@ class RoutePlanner:
             else tuple(output_stages)
         )
         key = (final_stage_id, outputs)
-        try:
-            return self._plans[key]
-        except (KeyError, TypeError):  # a new route, or an unhashable stage reference
-            pass
-        plan = plan_request(self._cfg, final_stage_id, output_stages)
-        if len(self._plans) < self._size:
-            try:
+        if not _hashable(key):  # a stage reference no dict can hold: planned, not cached
+            return plan_request(self._cfg, final_stage_id, output_stages)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = plan_request(self._cfg, final_stage_id, output_stages)
+            if len(self._plans) < self._size:
                 self._plans[key] = plan
-            except TypeError:
-                pass
         return plan
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _keyed_by_stage(cfg: PipelineConfig, value: Mapping[object, object]) -> bool:
