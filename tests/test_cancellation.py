@@ -136,3 +136,31 @@ async def test_harness_reports_a_leak(autojump_clock):
         assert all("in flight" in f.problem for f in report.failures)
         with pytest.raises(AssertionError, match="broke an invariant"):
             report.raise_if_failed()
+
+
+async def test_cancel_every_checkpoint_of_rpc_and_of_aborting_many(autojump_clock):
+    """collective_rpc and abort([...]) cancelled at each of their checkpoints leave no RPC
+    pending, no request half-aborted, and the engine serving."""
+    cfg = scripted_pipeline(2, outputs=3, latency_s=0.25, replicas=2)
+    async with omni_trio.open_engine(cfg) as engine:
+
+        async def rpc(engine: Engine) -> None:
+            assert len(await engine.collective_rpc("sleep", args=[0.5])) == 4
+
+        async def abort_many(engine: Engine) -> None:
+            async with engine.generate("a", request_id="a") as s1:
+                async with engine.generate("b", request_id="b") as s2:
+                    await s1.receive()
+                    await s2.receive()
+                    await engine.abort(["a", "b", "unknown"])
+
+        def still_serving(engine: Engine) -> None:
+            assert not engine.closed
+            assert engine.statistics().stage("s0").live_replicas == 2
+
+        for scenario in (rpc, abort_many):
+            report = await cancel_at_every_checkpoint(engine, scenario, invariant=still_serving)
+            report.raise_if_failed()
+            assert report.checkpoints >= 3
+        # nothing of a cancelled RPC is left: a new one answers at once on every replica
+        assert len(await engine.collective_rpc("echo")) == 4

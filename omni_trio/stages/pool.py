@@ -176,6 +176,12 @@ class StagePool:
             if is_cancellation(exc):
                 self._raise_stop_failures()
             raise
+        if not failed:
+            # No replica failed, yet the start did not complete: a cancellation reached the
+            # starts and was absorbed on its way. A cancelled caller gets its cancellation; else
+            # a typed error (an empty ExceptionGroup used to escape from here as ValueError).
+            await trio.lowlevel.checkpoint()
+            raise StageStartError(self.stage_id, "the start was interrupted")
         # only a failed start gets here
         failed = self._in_replica_order(failed)
         stops = self._stop_failures()
