@@ -157,8 +157,16 @@ class Orchestrator:
                             feeds_of[up].append(feed)
                     for sid in plan.active:
                         outbox: OutputQueue[StageOutput] = OutputQueue(self.config.output_buffer)
-                        nursery.start_soon(self._run_backend, req, sid, inputs[sid], outbox)
-                        nursery.start_soon(self._route_stage, req, sid, outbox, feeds_of[sid])
+                        # does anyone need this stage's outputs as they come (a caller, or a
+                        # downstream stage taking streamed input)? If not, the backend may
+                        # send its finished output only, and routing batches
+                        streamed = sid in plan.outputs or any(f.streams for f in feeds_of[sid])
+                        nursery.start_soon(
+                            self._run_backend, req, sid, inputs[sid], outbox, streamed
+                        )
+                        nursery.start_soon(
+                            self._route_stage, req, sid, outbox, feeds_of[sid], streamed
+                        )
         finally:
             for feed in feeds:
                 feed.close()
@@ -170,6 +178,7 @@ class Orchestrator:
         sid: str,
         inputs: trio.MemoryReceiveChannel[StageInput],
         outbox: OutputQueue[StageOutput],
+        streamed: bool,
     ) -> None:
         # Runs the request on the stage's pool. The backend's emit only puts its outputs into
         # the stage's bounded outbox (with room it does not even yield); the stage's routing
@@ -183,7 +192,9 @@ class Orchestrator:
 
         try:
             with inputs:
-                await self._pools[sid].run_request(req.request_id, inputs, req.params[sid], emit)
+                await self._pools[sid].run_request(
+                    req.request_id, inputs, req.params[sid], emit, streamed=streamed
+                )
             outbox.send_final_nowait(_COMPLETED)
         except StageAborted:
             # dropped through a direct backend/pool abort: an abort, not a failure
@@ -194,7 +205,12 @@ class Orchestrator:
             outbox.close()
 
     async def _route_stage(
-        self, req: Request, sid: str, outbox: OutputQueue[StageOutput], feeds: list[StageFeed]
+        self,
+        req: Request,
+        sid: str,
+        outbox: OutputQueue[StageOutput],
+        feeds: list[StageFeed],
+        streamed: bool,
     ) -> None:
         rid = req.request_id
         status = "aborted"
@@ -203,7 +219,7 @@ class Orchestrator:
         # Outputs nobody needs promptly (no caller gets them, no downstream stage streams
         # them) are routed in batches: after the first one (its time is a metric), this task
         # wakes when the outbox is full or the backend ended, not once per output.
-        batch = sid not in req.plan.outputs and not any(f.streams for f in feeds)
+        batch = not streamed
         if self.observers:
             self.observers.emit("stage_started", rid, sid)
         try:

@@ -293,9 +293,19 @@ class StageBackend(abc.ABC):
 
     # -- requests ------------------------------------------------------------------------
     async def run_request(
-        self, request_id: str, inputs: InputStream, sampling_params: SamplingParams, emit: Emit
+        self,
+        request_id: str,
+        inputs: InputStream,
+        sampling_params: SamplingParams,
+        emit: Emit,
+        *,
+        streamed: bool = True,
     ) -> None:
         """Run one request on this replica, streaming its outputs through ``emit``.
+
+        ``streamed=False`` says nobody needs the outputs as they come (no caller streams this
+        stage, no downstream stage takes streamed input): the backend may then emit its
+        finished output only (:meth:`outputs_streamed` tells ``_run``).
 
         Checkpoints. Cancelling the caller aborts the request here before returning.
         Raises :class:`ReplicaDeadError` if the replica is or becomes dead,
@@ -313,7 +323,7 @@ class StageBackend(abc.ABC):
                 stage_id=self.stage_id,
                 request_id=request_id,
             )
-        running = RunningRequest(request_id, self.stage_id, self.name)
+        running = RunningRequest(request_id, self.stage_id, self.name, streamed=streamed)
         self._running[request_id] = running
         error: Exception | None = None
         try:
@@ -365,6 +375,12 @@ class StageBackend(abc.ABC):
             stage_id=self.stage_id,
             request_id=request_id,
         ) from error
+
+    def outputs_streamed(self, request_id: str) -> bool:
+        """Whether ``request_id``'s outputs on this replica are needed as they come (see
+        :meth:`run_request`); ``True`` for an unknown request. Synchronous."""
+        running = self._running.get(request_id)
+        return running is None or running.streamed
 
     async def abort(self, request_id: str) -> list[StageOutput]:
         """Abort a request on this replica; returns its outputs so far.

@@ -56,6 +56,8 @@ class RunningRequest:
     done: trio.Event = field(default_factory=trio.Event)
     finished: bool = False
     violation: StageError | None = None
+    #: whether anyone needs the outputs as they come (else the finished one is enough)
+    streamed: bool = True
 
     def emitter(self, emit: Emit) -> Emit:
         """The ``emit`` the backend gets: records each output, then passes it on; an output

@@ -247,16 +247,23 @@ class StagePool:
         return backend
 
     async def run_request(
-        self, request_id: str, inputs: InputStream, sampling_params: SamplingParams, emit: Emit
+        self,
+        request_id: str,
+        inputs: InputStream,
+        sampling_params: SamplingParams,
+        emit: Emit,
+        *,
+        streamed: bool = True,
     ) -> None:
         """Run a request on a live replica; the binding is gone when this returns.
+        ``streamed``: see :meth:`StageBackend.run_request`.
 
         Checkpoints. Cancellation aborts it in the replica first. Raises what the replica
         raises (StageError, ReplicaDeadError) or NoLiveReplicaError.
         """
         backend = self.bind(request_id)
         try:
-            await backend.run_request(request_id, inputs, sampling_params, emit)
+            await backend.run_request(request_id, inputs, sampling_params, emit, streamed=streamed)
         finally:
             self._bindings.pop(request_id, None)
 

@@ -164,12 +164,18 @@ class VllmBackend(StageBackend):
 
     # -- requests -----------------------------------------------------------------------------
     async def run_request(
-        self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
+        self,
+        request_id: str,
+        inputs: InputStream,
+        sampling_params: Any,
+        emit: Emit,
+        *,
+        streamed: bool = True,
     ) -> None:
         """See :meth:`StageBackend.run_request`; also raises :class:`InvalidRequestError`
         for bad sampling params or prompts (the base class would wrap it in StageError)."""
         try:
-            await super().run_request(request_id, inputs, sampling_params, emit)
+            await super().run_request(request_id, inputs, sampling_params, emit, streamed=streamed)
         except StageError as exc:
             if isinstance(exc.__cause__, InvalidRequestError):
                 raise exc.__cause__ from None
