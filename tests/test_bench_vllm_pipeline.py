@@ -1,0 +1,129 @@
+"""The pure helpers of benchmarks/bench_vllm_pipeline.py: cell planning, layouts, the pipeline
+config, and how per-pass results become ratios, spreads and the summary (no vLLM here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from omni_trio.stages._vllm_protocol import CPU_ENGINE_DEFAULTS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "bench_vllm_pipeline", ROOT / "benchmarks" / "bench_vllm_pipeline.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+
+
+def test_plan_runs_pairs_systems_per_cell_and_alternates_who_goes_first() -> None:
+    runs = bench.plan_runs(2, [1, 3], ["core0", "spread"], ["hand", "omni"])
+    assert len(runs) == 2 * 2 * 2 * 2
+    cells = [(r.pass_index, r.n_stages, r.layout) for r in runs]
+    # the two systems of a cell run back to back
+    assert all(cells[i] == cells[i + 1] for i in range(0, len(runs), 2))
+    firsts: dict[int, set[str]] = {r.pass_index: set() for r in runs}
+    for i in range(0, len(runs), 2):
+        firsts[runs[i].pass_index].add(runs[i].system)
+    assert firsts == {0: {"hand"}, 1: {"omni"}}
+    assert [(r.n_stages, r.layout) for r in runs[:8:2]] == [
+        (1, "core0"),
+        (1, "spread"),
+        (3, "core0"),
+        (3, "spread"),
+    ]
+
+
+def test_layouts_bind_every_engine_to_core0_or_one_core_per_stage() -> None:
+    assert [bench.bind_for("core0", k) for k in range(3)] == ["0", "0", "0"]
+    assert [bench.bind_for("spread", k) for k in range(3)] == ["0", "1", "0"]
+    with pytest.raises(ValueError, match="layout must be one of"):
+        bench.bind_for("numa", 0)
+
+
+def test_omni_config_chains_token_stages_with_only_the_last_as_output() -> None:
+    cfg = bench.omni_config(3, "spread", tokens=16, requests=64)
+    stages = cfg["stages"]
+    assert [s["id"] for s in stages] == ["stage1", "stage2", "stage3"]
+    assert [s.get("inputs") for s in stages] == [None, ["stage1"], ["stage2"]]
+    assert [s["final_output"] for s in stages] == [False, False, True]
+    assert [s["options"]["cpu_bind"] for s in stages] == ["0", "1", "0"]
+    assert [s["engine_args"] for s in stages] == [
+        {**CPU_ENGINE_DEFAULTS, "model": m} for m in ("tiny:thinker", "tiny:talker", "tiny:talker")
+    ]
+    greedy = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    assert all(s["default_sampling_params"] == greedy for s in stages)
+
+
+def _result(median_rps: float, cpu_ms: float, left: int = 0) -> dict[str, Any]:
+    at_exit = [{"pid": 10 + i, "what": "x", "status": "zombie"} for i in range(left)]
+    return {
+        "requests_per_s": {"best": median_rps + 1, "median": median_rps},
+        "cpu_ms_per_request_stage": cpu_ms,
+        "init_s": 30.0,
+        "shutdown_s": 2.0,
+        "tokens_ok": True,
+        "leftover": {"at_exit": at_exit, "grace_s": 5.0, "after_grace": at_exit[:1]},
+    }
+
+
+def test_cell_reports_median_ratio_spread_and_cpu_skipping_failed_passes() -> None:
+    passes = [
+        {"hand": _result(100, 2.0), "omni": _result(90, 3.0)},
+        {"hand": _result(100, 2.0), "omni": _result(50, 5.0, left=2)},
+        {"hand": {"error": "exit 1 without a result"}, "omni": _result(80, 4.0)},
+        {"hand": _result(50, 1.0), "omni": _result(55, 1.0)},
+    ]
+    cell = bench.summarize_cell(2, "spread", passes, ["hand", "omni"])
+    assert cell["ratio"] == {"median": 0.9, "min": 0.5, "max": 1.1}
+    assert cell["cpu_ratio"]["median"] == pytest.approx(1.5)
+    assert cell["requests_per_s"]["hand"] == [100, 100, None, 50]
+    assert cell["cpu_ms_per_request_stage_median"] == {"hand": 2.0, "omni": 3.5}
+    assert cell["errors"] == {"hand": ["exit 1 without a result"], "omni": []}
+    assert [r["pass"] for r in cell["leftover"]["omni"]] == [1]
+    row = bench.summary_row(cell)
+    assert row == {
+        "ratio": 0.9,
+        "spread": [0.5, 1.1],
+        "cpu_ms_hand": 2.0,
+        "cpu_ms_omni": 3.5,
+        "cpu_ratio": 1.5,
+        "init_s": {"hand": 30.0, "omni": 30.0},
+        "shutdown_s": {"hand": 2.0, "omni": 2.0},
+        "left_at_exit": 2,
+        "left_after_grace": 1,
+        "failed_runs": 1,
+    }
+
+
+def test_one_system_only_has_no_ratio() -> None:
+    cell = bench.summarize_cell(1, "core0", [{"omni": _result(90, 3.0)}], ["omni"])
+    assert cell["ratio"] is None
+    assert bench.summary_row(cell)["spread"] is None
+
+
+def test_throughput_and_cpu_per_request_stage() -> None:
+    assert bench.batch_throughput([0.5, 0.25, 1.0], 64) == {"best": 256.0, "median": 128.0}
+    # 0.96 s of CPU over 64 requests x 3 batches x 2 stages
+    assert bench.cpu_ms_per_request_stage(0.96, 64, 3, 2) == pytest.approx(2.5)
+
+
+def test_cli_rejects_an_unknown_layout_or_stage_count() -> None:
+    assert bench.parse_args(["--stages", "1,3", "--layouts", "spread"]).stages == [1, 3]
+    for argv in (["--stages", "4"], ["--layouts", "core1"], ["--systems", "vllm-omni"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
