@@ -3,14 +3,25 @@
 ``Orchestrator.serve`` runs in the engine's nursery (started after the stage pools, so
 requests always stop before stages). Each admitted request runs as one task in it, under its
 own cancel scope (abort = cancel that scope), and its whole life is decided by one pure
-:class:`~omni_trio.lifecycle.RequestLifecycle`. Inside the request task each active stage has
-one task that runs the request on the stage's pool and, beside it, routes what the backend
-emits: the backend's ``emit`` only puts the output into a bounded per-stage outbox, and the
-stage's routing loop (the orchestrator's own code, never a backend's call stack) delivers it
-to the caller and to the downstream stages' input processors. Every channel is bounded; no
-timer, no polling. When the request task ends, its terminal outputs (or its error) are queued
-to the consumer through the same :class:`~omni_trio.transport.queue.OutputQueue` as every
-other output, and nothing of the request remains here or in any stage.
+:class:`~omni_trio.lifecycle.RequestLifecycle`. Each active stage of a request runs the request
+on the stage's pool (the last one in the request task itself, the others as tasks in its
+nursery); what happens to its outputs depends on who needs them
+(:func:`~omni_trio.planning.stage_path`):
+
+- an output stage that feeds no other stage puts them, as emitted, into the request's bounded
+  :class:`~omni_trio.transport.queue.OutputQueue`; the consumer builds each
+  :class:`~omni_trio.outputs.OmniOutput` when it reads it (no task between them);
+- a stage whose outputs nobody needs as they come keeps them, and once its backend returned
+  its task hands them to the downstream stages' input processors;
+- any other stage (an output stage that feeds another, a stage feeding a ``stream_input``
+  stage, or every stage while observers watch the engine) has a routing task beside it: the
+  backend's ``emit`` only fills a bounded outbox, and the routing loop delivers each output
+  to the caller, to the observers and to the downstream stages' input processors.
+
+Input processors and observers never run inside a backend's call stack. Every channel is
+bounded; no timer, no polling. When the request task ends, its terminal outputs (or its error)
+are queued to the consumer through the same queue as every other output, and nothing of the
+request remains here or in any stage.
 
 The consumer gets a :class:`RequestHandle`: receive, cancel, cancel-and-wait, status. It never
 reads or writes the request's state.
@@ -20,7 +31,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 
 import trio
 
@@ -35,7 +47,7 @@ from .errors import (
 from .lifecycle import ContractViolation
 from .observer import ObserverSet
 from .outputs import OmniOutput, SamplingParams, StageInput, StageOutput
-from .planning import RequestPlan
+from .planning import RequestPlan, stage_path
 from .requests import Request, RequestHandle, RequestInfo
 from .routing import StageFeed
 from .stages._abc import StageAborted
@@ -70,6 +82,7 @@ class Orchestrator:
             if st.inputs
         }
         self._index = {sid: i for i, sid in enumerate(config.stage_ids)}
+        self._kinds = [st.output_type for st in config.stages]
         self.observers = ObserverSet()
         self.closed = False
         self.n_finished = 0
@@ -115,7 +128,9 @@ class Orchestrator:
                 f"{len(self._requests)} requests in flight, the limit "
                 f"(max_requests_in_flight) is {limit}"
             )
-        req = Request(request_id, plan, first_input, params, self.config.output_buffer)
+        req = Request(
+            request_id, plan, first_input, params, self.config.output_buffer, self._output
+        )
         self._requests[request_id] = req
         self.n_total += 1
         if self.observers:
@@ -155,22 +170,151 @@ class Orchestrator:
                         feeds.append(feed)
                         for up in st.inputs:
                             feeds_of[up].append(feed)
-                    for sid in plan.active:
-                        outbox: OutputQueue[StageOutput] = OutputQueue(self.config.output_buffer)
-                        # does anyone need this stage's outputs as they come (a caller, or a
-                        # downstream stage taking streamed input)? If not, the backend may
-                        # send its finished output only, and routing batches
-                        streamed = sid in plan.outputs or any(f.streams for f in feeds_of[sid])
-                        nursery.start_soon(
-                            self._run_backend, req, sid, inputs[sid], outbox, streamed
-                        )
-                        nursery.start_soon(
-                            self._route_stage, req, sid, outbox, feeds_of[sid], streamed
-                        )
+                    runs = [
+                        run
+                        for sid in plan.active
+                        for run in self._stage_tasks(req, sid, inputs[sid], feeds_of[sid])
+                    ]
+                    # the last one runs in this task: one task fewer per request
+                    for run in runs[:-1]:
+                        nursery.start_soon(run)
+                    await runs[-1]()
         finally:
             for feed in feeds:
                 feed.close()
             self._finish(req)
+
+    def _stage_tasks(
+        self,
+        req: Request,
+        sid: str,
+        inputs: trio.MemoryReceiveChannel[StageInput],
+        feeds: list[StageFeed],
+    ) -> list[Callable[[], Awaitable[None]]]:
+        """What runs for stage ``sid`` of a request: one or two tasks (see ``stage_path``).
+
+        Does anyone need this stage's outputs as they come (a caller, or a downstream stage
+        taking streamed input)? If not, the backend may send its finished output only, and
+        its outputs are routed once it returned. An output stage that feeds no other stage is
+        read by the consumer itself. Anything else (or any stage while observers watch the
+        engine: their per-output events run in the orchestrator's own routing task) has a
+        routing task beside its backend."""
+        streamed = sid in req.plan.outputs or any(f.streams for f in feeds)
+        path = stage_path(
+            output=sid in req.plan.outputs,
+            feeds=len(feeds),
+            streamed=streamed,
+            observed=bool(self.observers),
+        )
+        if path == "pulled":
+            return [partial(self._run_pulled, req, sid, inputs)]
+        if path == "collected":
+            return [partial(self._run_collected, req, sid, inputs, feeds)]
+        outbox: OutputQueue[StageOutput] = OutputQueue(self.config.output_buffer)
+        return [
+            partial(self._run_backend, req, sid, inputs, outbox, streamed),
+            partial(self._route_stage, req, sid, outbox, feeds, streamed),
+        ]
+
+    def _record(self, req: Request, sid: str, out: StageOutput) -> tuple[str, StageOutput]:
+        """Note an output of stage ``sid`` in the request's lifecycle and its outputs so far.
+        Synchronous. Raises StageError naming the replica if the stage had finished."""
+        try:
+            req.lifecycle.stage_output(sid, out.finished)
+        except ContractViolation as exc:
+            replica = self._pools[sid].replica_of(req.request_id)
+            name = replica.name if replica is not None else f"{sid}[?]"
+            raise StageError(
+                f"replica {name} broke the backend contract: {exc}",
+                stage_id=sid,
+                request_id=req.request_id,
+            ) from None
+        item = (sid, out)
+        req.produced.append(item)
+        return item
+
+    async def _run_pulled(
+        self, req: Request, sid: str, inputs: trio.MemoryReceiveChannel[StageInput]
+    ) -> None:
+        # An output stage that feeds no other stage: its outputs go into the request's own
+        # queue, as they are, and the consumer turns them into OmniOutputs when it reads them
+        # (RequestHandle.receive): no routing task, no scheduler trip between the backend and
+        # the consumer. The queue's window is the backpressure.
+        queue = req.queue
+
+        async def emit(out: StageOutput) -> None:
+            item = self._record(req, sid, out)
+            try:
+                try:
+                    queue.send_nowait(item)
+                except trio.WouldBlock:
+                    await queue.send(item)
+            except trio.BrokenResourceError:
+                # the consumer stopped listening: that is an abort
+                req.request_abort()
+                await trio.lowlevel.checkpoint()
+
+        if await self._run_stage(req, sid, inputs, emit, streamed=True):
+            if not req.lifecycle.failed and not req.lifecycle.stage_finished(sid):
+                # the backend ended without a finished output; the caller gets one
+                await emit(_STOPPED)
+
+    async def _run_collected(
+        self,
+        req: Request,
+        sid: str,
+        inputs: trio.MemoryReceiveChannel[StageInput],
+        feeds: list[StageFeed],
+    ) -> None:
+        # A stage whose outputs nobody needs as they come (no caller, no streaming downstream
+        # stage): the backend's outputs are kept, and routed here once it returned (out of
+        # its call stack), straight to the downstream stages' input: no routing task.
+        outs: list[StageOutput] = []
+
+        async def emit(out: StageOutput) -> None:
+            outs.append(self._record(req, sid, out)[1])
+
+        if not await self._run_stage(req, sid, inputs, emit, streamed=False):
+            return
+        try:
+            if not req.lifecycle.failed:
+                if not req.lifecycle.stage_finished(sid):
+                    outs.append(self._record(req, sid, _STOPPED)[1])
+                for feed in feeds:
+                    for out in outs:
+                        chunk = feed.take(sid, out)
+                        if chunk is not None:
+                            await feed.send(sid, chunk)
+                    if feed.finish(sid):
+                        await feed.send_final(feed.final_chunk())
+        except OmniTrioError as exc:
+            # an input processor failed: a failure of its own (downstream) stage
+            req.fail(sid, exc)
+
+    async def _run_stage(
+        self,
+        req: Request,
+        sid: str,
+        inputs: trio.MemoryReceiveChannel[StageInput],
+        emit: Callable[[StageOutput], Awaitable[None]],
+        *,
+        streamed: bool,
+    ) -> bool:
+        """Run the request on stage ``sid``'s pool; whether the backend returned normally.
+        An abort through the pool aborts the request, any failure fails it. Checkpoints."""
+        try:
+            with inputs:
+                await self._pools[sid].run_request(
+                    req.request_id, inputs, req.params[sid], emit, streamed=streamed
+                )
+        except StageAborted:
+            # dropped through a direct backend/pool abort: an abort, not a failure
+            req.request_abort()
+        except Exception as exc:
+            req.fail(sid, exc)
+        else:
+            return True
+        return False
 
     async def _run_backend(
         self,
@@ -191,16 +335,8 @@ class Orchestrator:
                 await outbox.send(out)
 
         try:
-            with inputs:
-                await self._pools[sid].run_request(
-                    req.request_id, inputs, req.params[sid], emit, streamed=streamed
-                )
-            outbox.send_final_nowait(_COMPLETED)
-        except StageAborted:
-            # dropped through a direct backend/pool abort: an abort, not a failure
-            req.request_abort()
-        except Exception as exc:
-            req.fail(sid, exc)
+            if await self._run_stage(req, sid, inputs, emit, streamed=streamed):
+                outbox.send_final_nowait(_COMPLETED)
         finally:
             outbox.close()
 
@@ -267,30 +403,7 @@ class Orchestrator:
         downstream feeds. Checkpoints only when a channel is full (backpressure); the routing
         loop that calls it checkpoints per output. Raises StageError (contract or processor
         failures)."""
-        try:
-            req.lifecycle.stage_output(sid, out.finished)
-        except ContractViolation as exc:
-            replica = self._pools[sid].replica_of(req.request_id)
-            name = replica.name if replica is not None else f"{sid}[?]"
-            raise StageError(
-                f"replica {name} broke the backend contract: {exc}",
-                stage_id=sid,
-                request_id=req.request_id,
-            ) from None
-        index = self._index[sid]
-        omni = OmniOutput(
-            request_id=req.request_id,
-            stage_id=sid,
-            stage_index=index,
-            kind=self.config.stages[index].output_type,
-            text=out.text,
-            token_ids=tuple(out.token_ids),
-            data=out.data,
-            finished=out.finished,
-            finish_reason=out.finish_reason,
-            metrics=out.metrics,
-        )
-        req.produced.append(omni)
+        item = self._record(req, sid, out)
         if self.observers:
             self.observers.emit("stage_output", req.request_id, sid, first)
         if sid in req.plan.outputs:
@@ -298,9 +411,9 @@ class Orchestrator:
             # this one on without another trip through the scheduler unless the window is full
             try:
                 try:
-                    req.queue.send_nowait(omni)
+                    req.queue.send_nowait(item)
                 except trio.WouldBlock:
-                    await req.queue.send(omni)
+                    await req.queue.send(item)
             except trio.BrokenResourceError:
                 # the consumer stopped listening: that is an abort
                 req.request_abort()
@@ -311,7 +424,7 @@ class Orchestrator:
                 await feed.send(sid, chunk)
 
     def _finish(self, req: Request) -> None:
-        status = req.end(self._terminal)
+        status = req.end()
         if status == "failed":
             self.n_failed += 1
         elif status == "aborted":
@@ -322,15 +435,20 @@ class Orchestrator:
         if self.observers:
             self.observers.emit("request_finished", req.request_id, status)
 
-    def _terminal(self, request_id: str, stage_id: str, finish_reason: str) -> OmniOutput:
+    def _output(self, request_id: str, stage_id: str, out: StageOutput) -> OmniOutput:
+        # what a caller gets for a stage's output (built when the consumer reads it)
         index = self._index[stage_id]
         return OmniOutput(
             request_id=request_id,
             stage_id=stage_id,
             stage_index=index,
-            kind=self.config.stages[index].output_type,
-            finished=True,
-            finish_reason=finish_reason,
+            kind=self._kinds[index],
+            text=out.text,
+            token_ids=tuple(out.token_ids),
+            data=out.data,
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+            metrics=out.metrics,
         )
 
     # -- control -----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from .config import PipelineConfig, topological_order
 from .errors import InvalidRequestError
@@ -18,8 +19,12 @@ __all__ = [
     "plan_request",
     "prompt_to_input",
     "resolve_sampling_params",
+    "stage_path",
     "stage_ref",
 ]
+
+#: how a request's stage is run (see :func:`stage_path`)
+StagePath = Literal["pulled", "collected", "routed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +33,25 @@ class RequestPlan:
 
     active: tuple[str, ...]
     outputs: tuple[str, ...]
+
+
+def stage_path(*, output: bool, feeds: int, streamed: bool, observed: bool) -> StagePath:
+    """How the orchestrator runs one stage of a request (pure).
+
+    ``"pulled"``: an output stage feeding no other stage; its outputs go to the consumer's
+    queue as emitted and the consumer builds the OmniOutputs. ``"collected"``: a stage whose
+    outputs nobody needs as they come (``streamed`` false: no caller, no streaming downstream
+    stage); they are routed downstream once its backend returned. ``"routed"``: anything
+    else, or any stage while observers watch (their per-output events need a routing task):
+    a routing task beside the backend delivers each output.
+    """
+    if observed:
+        return "routed"
+    if output and not feeds:
+        return "pulled"
+    if not streamed:
+        return "collected"
+    return "routed"
 
 
 def prompt_to_input(prompt: object) -> StageInput:

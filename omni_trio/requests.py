@@ -21,7 +21,7 @@ import trio
 from .errors import OmniTrioError, StageError
 from .failures import request_error
 from .lifecycle import RequestLifecycle, RequestStatus
-from .outputs import FINISH_ABORT, OmniOutput, SamplingParams, StageInput
+from .outputs import FINISH_ABORT, OmniOutput, SamplingParams, StageInput, StageOutput
 from .planning import RequestPlan
 from .transport.queue import OutputQueue
 
@@ -29,9 +29,15 @@ __all__ = ["Request", "RequestHandle", "RequestInfo"]
 
 logger = logging.getLogger(__name__)
 
-_Item = OmniOutput | outcome.Error
-#: builds a stage's terminal OmniOutput (request id, stage id, finish reason)
-Terminal = Callable[[str, str, str], OmniOutput]
+_ABORTED = StageOutput(finished=True, finish_reason=FINISH_ABORT)
+
+#: a stage's output as the backend emitted it, with the stage's id
+StageItem = tuple[str, StageOutput]
+#: what the consumer's queue carries: outputs (routed, or as a stage emitted them, turned into
+#: OmniOutputs when read), terminals, or the request's error
+_Item = OmniOutput | StageItem | outcome.Error
+#: builds the OmniOutput a caller gets (request id, stage id, the stage's output)
+Convert = Callable[[str, str, StageOutput], OmniOutput]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +64,7 @@ class Request:
     """Everything the orchestrator holds for one request; dropped when its task ends."""
 
     __slots__ = (
+        "_convert",
         "_done",
         "_error",
         "first_input",
@@ -76,7 +83,9 @@ class Request:
         first_input: StageInput,
         params: Mapping[str, SamplingParams],
         window: int,
+        convert: Convert,
     ) -> None:
+        self._convert = convert
         self.plan = plan
         self.first_input = first_input
         self.params = params
@@ -84,7 +93,8 @@ class Request:
         self.lifecycle.start()
         self.queue: OutputQueue[_Item] = OutputQueue(window)
         self.scope = trio.CancelScope()
-        self.produced: list[OmniOutput] = []
+        #: every stage's outputs so far, in the order they came (``abort()`` returns them)
+        self.produced: list[StageItem] = []
         self._done = trio.Event()
         self._error: BaseException | None = None  # set when the request ends failed
 
@@ -130,7 +140,11 @@ class Request:
         self.lifecycle.fail(error)
         self.scope.cancel()
 
-    def end(self, terminal: Terminal) -> RequestStatus:
+    def output(self, item: StageItem) -> OmniOutput:
+        """The OmniOutput a caller gets for a stage's output. Synchronous, pure."""
+        return self._convert(self.request_id, item[0], item[1])
+
+    def end(self) -> RequestStatus:
         """The request's task ended: decide its status, queue its terminal outputs (an aborted
         request: one per output stage without its own) or its error (a failed one), end the
         queue, and wake everyone waiting on it. Synchronous; returns the status."""
@@ -140,7 +154,7 @@ class Request:
             self.queue.send_final_nowait(outcome.Error(self._error))
         elif status == "aborted":
             for sid in self.lifecycle.abort_terminals():
-                self.queue.send_final_nowait(terminal(self.request_id, sid, FINISH_ABORT))
+                self.queue.send_final_nowait(self.output((sid, _ABORTED)))
         self.queue.close()
         self._done.set()
         return status
@@ -169,7 +183,7 @@ class Request:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return []
         await self.cancel_and_wait()
-        produced = list(self.produced)
+        produced = [self.output(item) for item in self.produced]
         error = self._error
         if error is None:
             return produced
@@ -221,6 +235,8 @@ class RequestHandle:
         """The next output, terminals included. Always checkpoints. Raises
         ``trio.EndOfChannel`` after the last one, or the request's error if it failed."""
         item = await self._req.queue.receive()
+        if type(item) is tuple:
+            return self._req.output(item)
         if isinstance(item, outcome.Error):
             item.unwrap()
         assert isinstance(item, OmniOutput)

@@ -7,6 +7,7 @@ import trio
 
 import omni_trio
 from omni_trio import InvalidRequestError, ReplicaDeadError, StageError, load_config
+from omni_trio.observer import EngineObserver
 from omni_trio.testing import (
     assert_nothing_in_flight,
     scripted_backends,
@@ -339,3 +340,36 @@ async def test_repr_shows_live_state(autojump_clock):
             assert "'r' running" in repr(engine.orchestrator.request_info("r"))
         assert "in_flight=0" in repr(engine)
     _ = scripted_tokens
+
+
+@pytest.mark.parametrize("stream_input", [False, True])
+async def test_observed_and_unobserved_requests_run_alike(autojump_clock, stream_input):
+    # Without observers, leaf output stages are read by the consumer and unstreamed stages
+    # are routed once their backend returned; with one, every stage has a routing task.
+    # Each stage's outputs (in order), abort partials and counts are the same either way (the
+    # interleaving of two stages' outputs is not: they run concurrently).
+    cfg = scripted_pipeline(
+        3, outputs=4, latency_s=0.1, stream_input=stream_input, final_outputs=["s1", "s2"]
+    )
+    results = []
+    for observed in (False, True):
+        async with omni_trio.open_engine(cfg) as engine:
+            if observed:
+                engine.add_observer(EngineObserver())
+            outs = await engine.generate(PROMPT, request_id="r").collect()
+            async with engine.generate(PROMPT, request_id="a") as stream:
+                await stream.receive()
+                partial = await engine.abort("a")
+            results.append(
+                (
+                    {
+                        s: [(o.token_ids, o.finished) for o in outs if o.stage_id == s]
+                        for s in "s1 s2".split()
+                    },
+                    sorted((o.stage_id, o.token_ids) for o in partial),
+                    [b.completed for b in scripted_backends(engine, "s2")],
+                )
+            )
+            assert_nothing_in_flight(engine)
+    assert results[0] == results[1]
+    assert [len(v) for v in results[0][0].values()] == [4, 4] and results[0][1]

@@ -1,7 +1,7 @@
 import pytest
 
 from omni_trio import InvalidRequestError, load_config
-from omni_trio.planning import plan_request, resolve_sampling_params
+from omni_trio.planning import plan_request, resolve_sampling_params, stage_path
 from omni_trio.testing import scripted_pipeline
 
 
@@ -54,3 +54,16 @@ def test_route_planner_plans_each_route_once():
     assert planner.plan(output_stages=["s2", "s1"]) is planner.plan(output_stages=("s2", "s1"))
     with pytest.raises(InvalidRequestError, match="'nope' is not a stage"):
         planner.plan(final_stage_id="nope")
+
+
+def test_stage_path_by_who_needs_the_outputs():
+    # a leaf output stage: the consumer reads its outputs as emitted
+    assert stage_path(output=True, feeds=0, streamed=True, observed=False) == "pulled"
+    # nobody needs the outputs as they come: routed once the backend returned
+    assert stage_path(output=False, feeds=1, streamed=False, observed=False) == "collected"
+    # an output stage feeding another, or a stage feeding a stream_input stage: routed
+    assert stage_path(output=True, feeds=1, streamed=True, observed=False) == "routed"
+    assert stage_path(output=False, feeds=1, streamed=True, observed=False) == "routed"
+    # observers get their per-output events from a routing task, whatever the stage
+    for output, feeds, streamed in [(True, 0, True), (False, 1, False)]:
+        assert stage_path(output=output, feeds=feeds, streamed=streamed, observed=True) == "routed"
