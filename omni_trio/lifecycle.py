@@ -41,7 +41,7 @@ class RequestLifecycle:
     def __init__(self, request_id: str, output_stages: Iterable[str]) -> None:
         self.request_id = request_id
         self._outputs = tuple(output_stages)
-        self._finished: set[str] = set()
+        self._finished: list[str] = []  # a handful of stages: a list is smaller than a set
         self._errors: list[BaseException] = []
         self._status: RequestStatus = "admitted"
         #: an abort (or the engine's close) was requested; the request may still finish
@@ -62,7 +62,7 @@ class RequestLifecycle:
                 f"after its finished output"
             )
         if finished:
-            self._finished.add(stage_id)
+            self._finished.append(stage_id)
 
     def request_abort(self) -> bool:
         """Note an abort request. False if the request had already ended (nothing to do)."""
@@ -81,7 +81,7 @@ class RequestLifecycle:
             raise RuntimeError(f"request {self.request_id!r} already ended ({self._status})")
         if self._errors:
             self._status = "failed"
-        elif self._finished.issuperset(self._outputs):
+        elif all(s in self._finished for s in self._outputs):
             self._status = "finished"
         else:
             self._status = "aborted"

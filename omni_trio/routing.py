@@ -59,13 +59,13 @@ class StageFeed:
         self.stage_id = stage_id
         self.request_id = request_id
         self._observers = observers
-        self._pending = set(upstream)
+        self._pending = list(dict.fromkeys(upstream))  # a handful: smaller than a set
         self._order = tuple(upstream)
         self._stream = stream
         self._processor = processor
         self._options = options
         self._send = send
-        self._collected: dict[str, list[StageOutput]] = {u: [] for u in upstream}
+        self._collected: dict[str, list[StageOutput]] = {}  # filled as outputs come
         self._closed = False
 
     def _process(
@@ -102,13 +102,17 @@ class StageFeed:
             return None
         if self._stream:
             return self._process({source: (out,)}, final=False)
-        self._collected[source].append(out)
+        collected = self._collected.get(source)
+        if collected is None:
+            self._collected[source] = collected = []
+        collected.append(out)
         return None
 
     def finish(self, source: str) -> bool:
         """Upstream ``source`` finished. True when every upstream has: then send
         :meth:`final_chunk` with :meth:`send_final`. Synchronous."""
-        self._pending.discard(source)
+        if source in self._pending:
+            self._pending.remove(source)
         return not self._pending
 
     def final_chunk(self) -> StageInput | None:
@@ -118,7 +122,7 @@ class StageFeed:
         if self._stream:
             return self._process({}, final=True)
         collected, self._collected = self._collected, {}
-        return self._process({u: collected[u] for u in self._order}, final=True)
+        return self._process({u: collected.get(u, []) for u in self._order}, final=True)
 
     async def send(self, source: str, chunk: StageInput) -> None:
         """Send one chunk downstream. Checkpoints only when it has to wait: while the

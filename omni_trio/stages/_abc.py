@@ -339,7 +339,7 @@ class StageBackend(abc.ABC):
                 self._n_aborted += 1
             raise
         finally:
-            running.done.set()
+            running.end()
             del self._running[request_id]
         self._end_request(request_id, running, error)
 
@@ -392,7 +392,7 @@ class StageBackend(abc.ABC):
             await trio.lowlevel.checkpoint()
             return []
         running.scope.cancel()
-        await running.done.wait()
+        await running.wait_ended()
         return list(running.partial)
 
     def partial_outputs(self, request_id: str) -> list[StageOutput]:

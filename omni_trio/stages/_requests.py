@@ -9,7 +9,6 @@ the request ended once the backend returned or raised.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Literal
 
 import trio
@@ -44,20 +43,51 @@ def request_outcome(
     return "finished"
 
 
-@dataclass(eq=False)
 class RunningRequest:
     """A request in flight on one replica (``replica`` names it in errors)."""
 
-    request_id: str
-    stage_id: str
-    replica: str
-    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    partial: list[StageOutput] = field(default_factory=list)
-    done: trio.Event = field(default_factory=trio.Event)
-    finished: bool = False
-    violation: StageError | None = None
-    #: whether anyone needs the outputs as they come (else the finished one is enough)
-    streamed: bool = True
+    __slots__ = (
+        "_done",
+        "ended",
+        "finished",
+        "partial",
+        "replica",
+        "request_id",
+        "scope",
+        "stage_id",
+        "streamed",
+        "violation",
+    )
+
+    def __init__(self, request_id: str, stage_id: str, replica: str, *, streamed: bool = True):
+        self.request_id = request_id
+        self.stage_id = stage_id
+        self.replica = replica
+        self.scope = trio.CancelScope()
+        #: what the backend emitted so far (``abort()`` and ``partial_outputs()`` return it)
+        self.partial: list[StageOutput] = []
+        #: the finished output was delivered
+        self.finished = False
+        self.violation: StageError | None = None
+        #: whether anyone needs the outputs as they come (else the finished one is enough)
+        self.streamed = streamed
+        #: the backend call returned or raised
+        self.ended = False
+        self._done: trio.Event | None = None  # created by the first waiter (abort())
+
+    def end(self) -> None:
+        """The backend call is over: wake whoever waits in :meth:`wait_ended`. Synchronous."""
+        self.ended = True
+        if self._done is not None:
+            self._done.set()
+
+    async def wait_ended(self) -> None:
+        """Wait until :meth:`end`. Always checkpoints."""
+        if self._done is None:
+            self._done = trio.Event()
+        if self.ended:
+            self._done.set()
+        await self._done.wait()
 
     def emitter(self, emit: Emit) -> Emit:
         """The ``emit`` the backend gets: records each output, then passes it on; an output

@@ -16,7 +16,6 @@ Closing the receiving side (:meth:`OutputQueue.close_receiver`) makes every ``se
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -42,18 +41,61 @@ class OutputQueueStatistics:
 class OutputQueue(Generic[T]):
     """See the module docstring."""
 
-    __slots__ = ("_closed", "_data", "_full", "_items", "_receiver_closed", "_space", "_window")
+    __slots__ = (
+        "_closed",
+        "_data",
+        "_full",
+        "_head",
+        "_items",
+        "_receiver_closed",
+        "_space",
+        "_window",
+    )
 
     def __init__(self, window: int) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self._window = window
-        self._items: deque[T] = deque()
+        # A list read from ``_head`` on (a deque costs ~600 bytes even when empty, and there
+        # is one queue per request in flight).
+        self._items: list[T] = []
+        self._head = 0
         self._data = trio.lowlevel.ParkingLot()  # the receiver waits here for items
-        self._space = trio.lowlevel.ParkingLot()  # senders wait here for room
-        self._full = trio.lowlevel.ParkingLot()  # a batch receiver waits for a full window
+        # senders waiting for room, a batch receiver waiting for a full window: created when
+        # someone first waits (most queues never need them)
+        self._space: trio.lowlevel.ParkingLot | None = None
+        self._full: trio.lowlevel.ParkingLot | None = None
         self._closed = False
         self._receiver_closed = False
+
+    def __len__(self) -> int:
+        return len(self._items) - self._head
+
+    def _append(self, item: T) -> None:
+        self._items.append(item)
+        if self._data:  # a waiting receiver (unpark itself costs even when nobody waits)
+            self._data.unpark()
+        if self._full and len(self) >= self._window:
+            self._full.unpark()
+
+    def _popleft(self) -> T:
+        items = self._items
+        item = items[self._head]
+        self._head += 1
+        if self._head == len(items):
+            items.clear()
+            self._head = 0
+        elif self._head >= 64 and self._head * 2 >= len(items):
+            del items[: self._head]  # amortized: the read part never outgrows the rest
+            self._head = 0
+        if self._space:
+            self._space.unpark()
+        return item
+
+    def _unpark_all(self) -> None:
+        for lot in (self._data, self._space, self._full):
+            if lot is not None:
+                lot.unpark_all()
 
     # -- sending side ------------------------------------------------------------------------
     async def send(self, item: T) -> None:
@@ -69,15 +111,13 @@ class OutputQueue(Generic[T]):
                 raise trio.BrokenResourceError("the consumer closed its side of the queue")
             if self._closed:
                 raise trio.ClosedResourceError("the queue's sending side is closed")
-            if len(self._items) < self._window:
+            if len(self) < self._window:
                 break
+            if self._space is None:
+                self._space = trio.lowlevel.ParkingLot()
             await self._space.park()
             waited = True
-        self._items.append(item)
-        if self._data:  # a waiting receiver (unpark itself costs even when nobody waits)
-            self._data.unpark()
-        if self._full and len(self._items) >= self._window:
-            self._full.unpark()
+        self._append(item)
         if not waited:
             await trio.lowlevel.cancel_shielded_checkpoint()
 
@@ -88,13 +128,9 @@ class OutputQueue(Generic[T]):
             raise trio.BrokenResourceError("the consumer closed its side of the queue")
         if self._closed:
             raise trio.ClosedResourceError("the queue's sending side is closed")
-        if len(self._items) >= self._window:
+        if len(self) >= self._window:
             raise trio.WouldBlock
-        self._items.append(item)
-        if self._data:
-            self._data.unpark()
-        if self._full and len(self._items) >= self._window:
-            self._full.unpark()
+        self._append(item)
 
     def send_final_nowait(self, item: T) -> None:
         """Queue a final item past the window (never waits). Synchronous. Dropped when the
@@ -112,9 +148,7 @@ class OutputQueue(Generic[T]):
         """No more items: the receiver gets ``EndOfChannel`` after the queued ones.
         Idempotent; wakes every waiter."""
         self._closed = True
-        self._data.unpark_all()
-        self._space.unpark_all()
-        self._full.unpark_all()
+        self._unpark_all()
 
     # -- receiving side ----------------------------------------------------------------------
     async def receive(self) -> T:
@@ -123,7 +157,7 @@ class OutputQueue(Generic[T]):
         :meth:`close_receiver`."""
         await trio.lowlevel.checkpoint_if_cancelled()
         waited = False
-        while not self._items:
+        while not len(self):
             if self._receiver_closed:
                 raise trio.ClosedResourceError("the queue's receiving side is closed")
             if self._closed:
@@ -132,9 +166,7 @@ class OutputQueue(Generic[T]):
                 raise trio.EndOfChannel
             await self._data.park()
             waited = True
-        item = self._items.popleft()
-        if self._space:
-            self._space.unpark()
+        item = self._popleft()
         if not waited:
             await trio.lowlevel.cancel_shielded_checkpoint()
         return item
@@ -143,9 +175,11 @@ class OutputQueue(Generic[T]):
         """Wait until the window is full or the sending side closed (a receiver that takes
         items in batches, not one wake-up per item). Always checkpoints."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        if len(self._items) >= self._window or self._closed or self._receiver_closed:
+        if len(self) >= self._window or self._closed or self._receiver_closed:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
+        if self._full is None:
+            self._full = trio.lowlevel.ParkingLot()
         await self._full.park()
 
     def receive_nowait(self) -> T:
@@ -153,11 +187,8 @@ class OutputQueue(Generic[T]):
         queued yet, ``trio.EndOfChannel`` when the queue is done."""
         if self._receiver_closed:
             raise trio.ClosedResourceError("the queue's receiving side is closed")
-        if self._items:
-            item = self._items.popleft()
-            if self._space:
-                self._space.unpark()
-            return item
+        if len(self):
+            return self._popleft()
         if self._closed:
             raise trio.EndOfChannel
         raise trio.WouldBlock
@@ -167,16 +198,15 @@ class OutputQueue(Generic[T]):
         ``BrokenResourceError``. Idempotent."""
         self._receiver_closed = True
         self._items.clear()
-        self._data.unpark_all()
-        self._space.unpark_all()
-        self._full.unpark_all()
+        self._head = 0
+        self._unpark_all()
 
     # -- introspection -----------------------------------------------------------------------
     def statistics(self) -> OutputQueueStatistics:
         return OutputQueueStatistics(
-            items=len(self._items),
+            items=len(self),
             window=self._window,
-            senders_waiting=len(self._space),
+            senders_waiting=len(self._space or ()),
             receiver_waiting=len(self._data) > 0,
             closed=self._closed,
             receiver_closed=self._receiver_closed,
@@ -185,6 +215,6 @@ class OutputQueue(Generic[T]):
     def __repr__(self) -> str:
         state = "receiver-closed" if self._receiver_closed else "closed" if self._closed else "open"
         return (
-            f"<OutputQueue {state} items={len(self._items)}/{self._window} "
-            f"senders_waiting={len(self._space)}>"
+            f"<OutputQueue {state} items={len(self)}/{self._window} "
+            f"senders_waiting={len(self._space or ())}>"
         )
