@@ -140,41 +140,14 @@ class Orchestrator:
 
     # -- the request task ----------------------------------------------------------------------
     async def _run_request(self, req: Request) -> None:
-        plan = req.plan
         feeds: list[StageFeed] = []
         try:
             with req.scope:
+                runs = self._request_runs(req, feeds)
+                if len(runs) == 1:
+                    await runs[0]()  # one stage, no routing task: no nursery either
+                    return
                 async with trio.open_nursery() as nursery:
-                    inputs: dict[str, trio.MemoryReceiveChannel[StageInput]] = {}
-                    feeds_of: dict[str, list[StageFeed]] = {sid: [] for sid in plan.active}
-                    for sid in plan.active:
-                        st = self.config.stage(sid)
-                        send, receive = trio.open_memory_channel[StageInput](
-                            self.config.output_buffer
-                        )
-                        inputs[sid] = receive
-                        if not st.inputs:
-                            send.send_nowait(req.first_input)
-                            send.close()
-                            continue
-                        feed = StageFeed(
-                            sid,
-                            st.inputs,
-                            stream=st.stream_input,
-                            processor=self._processors[sid],
-                            options=st.processor_options,
-                            send=send,
-                            request_id=req.request_id,
-                            observers=self.observers,
-                        )
-                        feeds.append(feed)
-                        for up in st.inputs:
-                            feeds_of[up].append(feed)
-                    runs = [
-                        run
-                        for sid in plan.active
-                        for run in self._stage_tasks(req, sid, inputs[sid], feeds_of[sid])
-                    ]
                     # the last one runs in this task: one task fewer per request
                     for run in runs[:-1]:
                         nursery.start_soon(run)
@@ -183,6 +156,42 @@ class Orchestrator:
             for feed in feeds:
                 feed.close()
             self._finish(req)
+
+    def _request_runs(
+        self, req: Request, feeds: list[StageFeed]
+    ) -> list[Callable[[], Awaitable[None]]]:
+        """Open each active stage's input channel (the entry stages get the request's first
+        input, the others a :class:`StageFeed`, appended to ``feeds``) and return what runs
+        for every stage. Synchronous."""
+        plan = req.plan
+        inputs: dict[str, trio.MemoryReceiveChannel[StageInput]] = {}
+        feeds_of: dict[str, list[StageFeed]] = {sid: [] for sid in plan.active}
+        for sid in plan.active:
+            st = self.config.stage(sid)
+            send, receive = trio.open_memory_channel[StageInput](self.config.output_buffer)
+            inputs[sid] = receive
+            if not st.inputs:
+                send.send_nowait(req.first_input)
+                send.close()
+                continue
+            feed = StageFeed(
+                sid,
+                st.inputs,
+                stream=st.stream_input,
+                processor=self._processors[sid],
+                options=st.processor_options,
+                send=send,
+                request_id=req.request_id,
+                observers=self.observers,
+            )
+            feeds.append(feed)
+            for up in st.inputs:
+                feeds_of[up].append(feed)
+        return [
+            run
+            for sid in plan.active
+            for run in self._stage_tasks(req, sid, inputs[sid], feeds_of[sid])
+        ]
 
     def _stage_tasks(
         self,

@@ -68,9 +68,14 @@ def prompt_to_input(prompt: object) -> StageInput:
     if isinstance(prompt, (list, tuple)):
         if not prompt:
             raise InvalidRequestError("prompt token id list is empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        ids = tuple(prompt)
+        # plain ints (the common case) checked in C; anything else one by one
+        plain = set(map(type, ids)) == {int}
+        if not (plain and min(ids) >= 0) and not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+        ):
             raise InvalidRequestError("prompt token ids must be non-negative integers")
-        return StageInput(token_ids=tuple(prompt))
+        return StageInput(token_ids=ids)
     raise InvalidRequestError(
         f"prompt must be a str, a list of token ids or a prompt dict, not {type(prompt).__name__}"
     )

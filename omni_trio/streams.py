@@ -129,11 +129,17 @@ class RequestStream:
 
     async def _iterate(self) -> AsyncIterator[OmniOutput]:
         try:
+            handle = self._handle if self._handle is not None else await self._admit()
             while True:
+                # receive() inlined: one frame less per output
                 try:
-                    out = await self.receive()
+                    out = await handle.receive()
                 except trio.EndOfChannel:
                     return
+                except trio.Cancelled:
+                    if not self._in_context:
+                        await self._leave()
+                    raise
                 yield out
         finally:
             # a plain `async for` that stopped early: trio finalizes this generator, and the

@@ -239,10 +239,13 @@ class StagePool:
     # -- requests ------------------------------------------------------------------------
     def bind(self, request_id: str) -> StageBackend:
         """Bind a request to a live replica. Synchronous. Raises NoLiveReplicaError."""
-        idx = choose_replica([r.statistics() for r in self.replicas])
-        if idx is None:
+        # choose_replica's rule, without a statistics snapshot of every replica per request
+        backend: StageBackend | None = None
+        for r in self.replicas:
+            if r.alive and (backend is None or r.requests_in_flight < backend.requests_in_flight):
+                backend = r
+        if backend is None:
             raise no_live_replica(self.stage_id, request_id)
-        backend = self.replicas[idx]
         self._bindings[request_id] = backend
         return backend
 

@@ -10,8 +10,9 @@ stage, or one error), so the queue stays bounded.
 
 Closing the receiving side (:meth:`OutputQueue.close_receiver`) makes every ``send`` raise
 ``trio.BrokenResourceError``; closing the sending side (:meth:`OutputQueue.close`) makes
-``receive`` raise ``trio.EndOfChannel`` once the queue is drained. No polling: waiters park on
-``trio.lowlevel.ParkingLot`` and are woken by the other side.
+``receive`` raise ``trio.EndOfChannel`` once the queue is drained. No polling: senders park on
+a ``trio.lowlevel.ParkingLot``, the one receiver is rescheduled directly (a second task
+receiving at the same time gets ``trio.BusyResourceError``), each woken by the other side.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class OutputQueue(Generic[T]):
 
     __slots__ = (
         "_closed",
-        "_data",
+        "_receiver",
         "_full",
         "_head",
         "_items",
@@ -60,7 +61,8 @@ class OutputQueue(Generic[T]):
         # is one queue per request in flight).
         self._items: list[T] = []
         self._head = 0
-        self._data = trio.lowlevel.ParkingLot()  # the receiver waits here for items
+        # the one receiver, while it waits for an item (rescheduled directly: no parking lot)
+        self._receiver: trio.lowlevel.Task | None = None
         # senders waiting for room, a batch receiver waiting for a full window: created when
         # someone first waits (most queues never need them)
         self._space: trio.lowlevel.ParkingLot | None = None
@@ -73,9 +75,8 @@ class OutputQueue(Generic[T]):
 
     def _append(self, item: T) -> None:
         self._items.append(item)
-        if self._data:  # a waiting receiver (unpark itself costs even when nobody waits)
-            self._data.unpark()
-        if self._full and len(self) >= self._window:
+        self._wake_receiver()
+        if self._full and len(self._items) - self._head >= self._window:
             self._full.unpark()
 
     def _popleft(self) -> T:
@@ -93,9 +94,28 @@ class OutputQueue(Generic[T]):
         return item
 
     def _unpark_all(self) -> None:
-        for lot in (self._data, self._space, self._full):
+        self._wake_receiver()
+        for lot in (self._space, self._full):
             if lot is not None:
                 lot.unpark_all()
+
+    def _wake_receiver(self) -> None:
+        task = self._receiver
+        if task is not None:
+            self._receiver = None
+            trio.lowlevel.reschedule(task)
+
+    async def _wait_for_item(self) -> None:
+        # park the one receiver until an item comes or a side closes; cancellable
+        if self._receiver is not None:
+            raise trio.BusyResourceError("another task is already receiving from this queue")
+        self._receiver = trio.lowlevel.current_task()
+
+        def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+            self._receiver = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
 
     # -- sending side ------------------------------------------------------------------------
     async def send(self, item: T) -> None:
@@ -128,7 +148,7 @@ class OutputQueue(Generic[T]):
             raise trio.BrokenResourceError("the consumer closed its side of the queue")
         if self._closed:
             raise trio.ClosedResourceError("the queue's sending side is closed")
-        if len(self) >= self._window:
+        if len(self._items) - self._head >= self._window:
             raise trio.WouldBlock
         self._append(item)
 
@@ -141,8 +161,7 @@ class OutputQueue(Generic[T]):
         if self._receiver_closed:
             return
         self._items.append(item)
-        if self._data:
-            self._data.unpark()
+        self._wake_receiver()
 
     def close(self) -> None:
         """No more items: the receiver gets ``EndOfChannel`` after the queued ones.
@@ -155,6 +174,12 @@ class OutputQueue(Generic[T]):
         """The next item. Always checkpoints. Raises ``trio.EndOfChannel`` when the sending
         side closed and every item was received, ``trio.ClosedResourceError`` after
         :meth:`close_receiver`."""
+        if len(self._items) > self._head and not self._receiver_closed:
+            # the common case, an item is here: one checkpoint (cancelled there, the item
+            # stays queued), then take it
+            await trio.lowlevel.checkpoint()
+            if len(self._items) > self._head:
+                return self._popleft()
         await trio.lowlevel.checkpoint_if_cancelled()
         waited = False
         while not len(self):
@@ -164,7 +189,7 @@ class OutputQueue(Generic[T]):
                 if not waited:
                     await trio.lowlevel.cancel_shielded_checkpoint()
                 raise trio.EndOfChannel
-            await self._data.park()
+            await self._wait_for_item()
             waited = True
         item = self._popleft()
         if not waited:
@@ -207,7 +232,7 @@ class OutputQueue(Generic[T]):
             items=len(self),
             window=self._window,
             senders_waiting=len(self._space or ()),
-            receiver_waiting=len(self._data) > 0,
+            receiver_waiting=self._receiver is not None,
             closed=self._closed,
             receiver_closed=self._receiver_closed,
         )

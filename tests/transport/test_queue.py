@@ -123,3 +123,15 @@ async def test_a_batch_receiver_wakes_on_a_full_window_or_the_end(autojump_clock
     q2.close()
     with trio.testing.assert_checkpoints():
         await q2.wait_full()  # closed: returns at once, still a checkpoint
+
+
+async def test_one_receiver_at_a_time():
+    q: OutputQueue[int] = OutputQueue(2)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(q.receive)
+        await trio.testing.wait_all_tasks_blocked()
+        assert q.statistics().receiver_waiting
+        with pytest.raises(trio.BusyResourceError):
+            await q.receive()
+        q.send_nowait(1)  # the waiting receiver takes it
+    assert not q.statistics().receiver_waiting and q.statistics().items == 0
