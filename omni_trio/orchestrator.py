@@ -150,7 +150,7 @@ class Orchestrator:
                 async with trio.open_nursery() as nursery:
                     # the last one runs in this task: one task fewer per request
                     for run in runs[:-1]:
-                        nursery.start_soon(run)
+                        nursery.start_soon(run, name=req.request_id)  # no name to derive
                     await runs[-1]()
         finally:
             for feed in feeds:
