@@ -10,8 +10,9 @@ outputs. The caller unwraps them, so the worker's exception is raised on its sid
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import outcome
 
@@ -31,12 +32,77 @@ CPU_ENGINE_DEFAULTS: dict[str, Any] = {
 
 
 # -- messages -----------------------------------------------------------------------------
+class Flow:
+    """One request's output flow control, shared by the worker (which sends its outputs) and
+    the backend (which takes them): at most ``window`` outputs sent and not yet taken.
+
+    A request out of credit is *stalled*: the worker leaves its outputs in vLLM's per-request
+    collector (which merges DELTA outputs) until the backend, having taken enough, tells it
+    to resume. The lock makes "out of credit" and "stalled" one decision, so a resume is
+    never missed. Both methods are synchronous and thread-safe.
+    """
+
+    __slots__ = ("_lock", "_sent", "_stalled", "_taken", "window")
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._lock = threading.Lock()
+        self._sent = 0
+        self._taken = 0
+        self._stalled = False
+
+    def reserve(self) -> bool:
+        """Worker side: count one more output sent, or (no credit) mark the flow stalled."""
+        with self._lock:
+            if self._sent - self._taken >= self.window:
+                self._stalled = True
+                return False
+            self._sent += 1
+            return True
+
+    def took(self) -> bool:
+        """Backend side: count one output taken; true when the worker must be told to
+        resume (it was stalled and half the window is free again)."""
+        with self._lock:
+            self._taken += 1
+            if self._stalled and self._sent - self._taken <= self.window // 2:
+                self._stalled = False
+                return True
+            return False
+
+    def __repr__(self) -> str:
+        return f"<Flow in_flight={self._sent - self._taken}/{self.window} stalled={self._stalled}>"
+
+
 @dataclass(frozen=True, slots=True)
 class Submit:
     request_id: str
     prompt: StageInput
     sampling_params: Any  # the user's: None, a dict or a vllm SamplingParams
-    out: BridgeSender[StageOutput | outcome.Error]
+    final_only: bool  # nobody streams this request's outputs: ask vLLM for the last one only
+    flow: Flow
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """A stalled request has credit again (see :class:`Flow`)."""
+
+    request_id: str
+
+
+class _End:
+    """A request's last item when it did not finish: the worker is done with it (an abort
+    was confirmed by vLLM, or it failed)."""
+
+    def __repr__(self) -> str:
+        return "END"
+
+
+END: Final = _End()
+
+#: what the worker sends on a replica's output bridge: every request's items of one engine
+#: step, in order (outputs, a request's failure, END)
+Batch = list[tuple[str, "StageOutput | outcome.Error | _End"]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +158,8 @@ def check_sampling_keys(params: dict[str, Any], fields: tuple[str, ...]) -> None
 
 
 def metrics_of(ro: Any) -> dict[str, Any] | None:
-    """vLLM's per-request metrics of a RequestOutput as a plain dict (None if absent)."""
+    """vLLM's per-request metrics of a (finished) RequestOutput as a plain dict (None if
+    absent). Built once per request and stage: ``dataclasses.asdict`` costs ~70 us."""
     m = getattr(ro, "metrics", None)
     out: dict[str, Any] = {}
     if m is not None and dataclasses.is_dataclass(m) and not isinstance(m, type):
@@ -105,11 +172,15 @@ def metrics_of(ro: Any) -> dict[str, Any] | None:
 
 
 def to_stage_output(ro: Any) -> StageOutput:
+    """One vLLM RequestOutput (a delta, or the whole output with FINAL_ONLY) as a
+    StageOutput; metrics only on the finished one."""
     comp = ro.outputs[0]
+    if not ro.finished:
+        return StageOutput(token_ids=tuple(comp.token_ids), text=comp.text)
     return StageOutput(
         token_ids=tuple(comp.token_ids),
         text=comp.text,
-        finished=bool(ro.finished),
-        finish_reason=comp.finish_reason if ro.finished else None,
+        finished=True,
+        finish_reason=comp.finish_reason,
         metrics=metrics_of(ro),
     )

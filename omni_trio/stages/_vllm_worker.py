@@ -2,9 +2,15 @@
 
 Everything here runs in the replica's worker thread (``trio.run`` with a
 ``trio_asyncio.open_loop()``), never on the orchestrator's loop. The thread receives
-commands (:class:`Submit`, :class:`Abort`, :class:`Rpc`) on a bridge, streams each request's
-outputs back on that request's own bridge, and reports its life (:class:`Ready`,
-:class:`StartFailed`, :class:`Died`) on an event bridge, which it closes as its last act.
+commands (:class:`Submit`, :class:`Abort`, :class:`Resume`, :class:`Rpc`) on a bridge, sends
+every request's outputs on the replica's output bridge, and reports its life (its start
+outcome, then :class:`Died`) on an event bridge, which it closes as its last act.
+
+Outputs leave in one batch per engine step: vLLM's output handler puts each request's output
+into that request's collector; the put marks the request, and one asyncio callback
+(:meth:`EngineWorker._flush`), run after the handler finished the step, takes every marked
+request's output (if its :class:`Flow` has credit) and sends them together. No task per
+request wakes per output.
 
 vLLM's own input preprocessing hands work to a private ``ThreadPoolExecutor``, which
 trio-asyncio's loop refuses; every prompt is therefore rendered here first (the renderer's
@@ -31,9 +37,13 @@ from ..outputs import StageInput
 from ..transport.bridge import BridgeReceiver, BridgeSender
 from ._vllm_plugin import QUICK_EXIT_ENV
 from ._vllm_protocol import (
+    END,
     Abort,
+    Batch,
     Died,
+    Flow,
     Ready,
+    Resume,
     Rpc,
     Submit,
     check_sampling_keys,
@@ -83,6 +93,7 @@ def import_vllm() -> Any:
         ValidationError=VLLMValidationError,
         SamplingParams=SamplingParams,
         DELTA=RequestOutputKind.DELTA,
+        FINAL_ONLY=RequestOutputKind.FINAL_ONLY,
         parse_model_prompt=parse_model_prompt,
         on_cpu=current_platform.is_cpu(),
     )
@@ -149,6 +160,7 @@ class EngineWorker:
         options: dict[str, Any],
         cmd_rx: BridgeReceiver[Any],
         evt_tx: BridgeSender[Any],
+        out_tx: BridgeSender[Batch],
         on_exit: Callable[[], None],
         on_phase: Callable[[str], None] = lambda phase: None,
     ) -> None:
@@ -158,6 +170,7 @@ class EngineWorker:
         self.options = options
         self._cmd_rx = cmd_rx
         self._evt_tx = evt_tx
+        self._out_tx = out_tx
         self._on_exit = on_exit
         self._on_phase = on_phase
         self._stop_start = threading.Event()
@@ -166,6 +179,12 @@ class EngineWorker:
         self._procs: list[Any] = []
         self._scopes: dict[str, trio.CancelScope] = {}
         self.v: Any = None
+        # the requests in the engine, and the one-per-engine-step flush of their outputs
+        self._live: dict[str, _Live] = {}
+        self._dirty: dict[str, None] = {}  # requests with output to take (ordered set)
+        self._pending: Batch = []
+        self._flush_scheduled = False
+        self._loop: Any = None  # the asyncio loop (trio-asyncio's) the engine runs on
 
     # -- thread entry -----------------------------------------------------------------------
     def run(self) -> None:
@@ -197,7 +216,8 @@ class EngineWorker:
             self._evt_tx.close()
             return
         try:
-            async with self.v.trio_asyncio.open_loop():
+            async with self.v.trio_asyncio.open_loop() as loop:
+                self._loop = loop
                 try:
                     await self._start_engine()
                 except Exception as exc:
@@ -211,6 +231,7 @@ class EngineWorker:
                 finally:
                     self._shutdown_engine()
         finally:
+            self._out_tx.close()
             self._evt_tx.close()
 
     # -- start ------------------------------------------------------------------------------
@@ -291,6 +312,9 @@ class EngineWorker:
                     running = self._scopes.get(cmd.request_id)
                     if running is not None:
                         running.cancel()
+                elif isinstance(cmd, Resume):
+                    if cmd.request_id in self._live:
+                        self._mark(cmd.request_id)
                 elif isinstance(cmd, Rpc):
                     nursery.start_soon(self._rpc, cmd)
             nursery.cancel_scope.cancel()
@@ -308,52 +332,79 @@ class EngineWorker:
             return
 
     async def _request(self, sub: Submit, scope: trio.CancelScope) -> None:
-        v, engine, out = self.v, self.engine, sub.out
-        aio = v.trio_asyncio.aio_as_trio
-        live: list[Any] = []  # the vLLM output collector while the request is in the engine
+        """One request's life in the engine: add it, wait until its last output was taken
+        (by :meth:`_flush`) or it failed, and abort it in the engine if it did not finish.
+        Its outputs never pass through this task."""
+        v, engine, rid = self.v, self.engine, sub.request_id
+        live = _Live(sub.flow)
+        self._live[rid] = live
         try:
             with scope:
                 try:
-                    params = self._sampling_params(sub.sampling_params)
+                    params = self._sampling_params(sub.sampling_params, sub.final_only)
                     prompt = self._render(sub.prompt)
                 except (InvalidRequestError, v.ValidationError, ValueError, TypeError) as exc:
-                    await out.send(outcome.Error(_as_invalid(exc)))
+                    self._post(rid, outcome.Error(_as_invalid(exc)))
                     return
-                live.append(await aio(engine.add_request)(sub.request_id, prompt, params))
-                await aio(self._pump)(live, out)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass  # the caller stopped listening; the abort below cleans up
+                collector = await v.trio_asyncio.aio_as_trio(engine.add_request)(
+                    rid, prompt, params
+                )
+                live.attach(rid, collector, self._mark)
+                await live.done.wait()
         except v.EngineDeadError as exc:
-            await _send_quietly(out, engine_died(self.name, exc))
+            self._post(rid, engine_died(self.name, exc))
         except Exception as exc:
-            await _send_quietly(out, outcome.Error(exc))
+            self._post(rid, outcome.Error(exc))
         finally:
-            self._scopes.pop(sub.request_id, None)
-            if live:
-                with trio.CancelScope(shield=True):
-                    await self._abort_in_engine(live[0].request_id)
-            out.close()
+            # first out of _live: the abort below puts vLLM's own "abort" output into the
+            # collector, which nobody must take
+            del self._live[rid]
+            self._scopes.pop(rid, None)
+            if not live.finished:
+                if live.collector is not None:
+                    with trio.CancelScope(shield=True):
+                        await self._abort_in_engine(live.collector.request_id)
+                self._post(rid, END)
 
-    async def _pump(self, live: list[Any], out: BridgeSender[Any]) -> None:
-        """asyncio-flavoured: move one request's outputs from vLLM's collector to the bridge.
+    # -- outputs: one flush per engine step ------------------------------------------------
+    def _mark(self, request_id: str) -> None:
+        """A request has output to take (vLLM put it into its collector, or it resumed):
+        take it in the next flush. Runs on the asyncio loop's thread (this one)."""
+        self._dirty[request_id] = None
+        self._schedule_flush()
 
-        One asyncio task per request rather than one trio<->asyncio hop per output (the hop
-        costs a task and two wake-ups); the bridge's ``send_nowait`` is loop-agnostic, and
-        only a full credit window goes through trio.
-        """
-        q = live[0]
-        slow_send = self.v.trio_asyncio.trio_as_aio(out.send)
-        while True:
-            ro = q.get_nowait() or await q.get()
-            if ro.finished:
-                live.clear()  # vLLM already dropped it: nothing to abort
-            item = to_stage_output(ro)
+    def _post(self, request_id: str, item: Any) -> None:
+        """Send ``item`` (a failure or END) after the request's outputs, in the next flush."""
+        self._pending.append((request_id, item))
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            # an asyncio callback: it runs after vLLM's output handler has put every output
+            # of the engine step it is processing (the handler only yields between steps)
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Take the output of every request that has one and credit for it, and send them
+        all as one batch: one item and at most one wake-up per engine step, whatever the
+        number of requests. A request without credit stays in vLLM's collector, which
+        merges its deltas, until the backend resumes it."""
+        self._flush_scheduled = False
+        dirty, self._dirty = self._dirty, {}
+        for rid in dirty:
+            live = self._live.get(rid)
+            if live is None or not live.has_output() or not live.flow.reserve():
+                continue
+            item = live.take(self)
+            if item is not None:
+                self._pending.append((rid, item))
+        if self._pending:
+            batch, self._pending = self._pending, []
             try:
-                out.send_nowait(item)
-            except anyio.WouldBlock:
-                await slow_send(item)
-            if not live:
-                return
+                self._out_tx.send_nowait(batch)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # the backend is gone; its requests are being cancelled with it
 
     async def _abort_in_engine(self, internal_id: str) -> None:
         try:
@@ -361,11 +412,12 @@ class EngineWorker:
         except self.v.EngineDeadError:
             pass  # nothing left to abort in a dead engine
 
-    def _sampling_params(self, sp: Any) -> Any:
+    def _sampling_params(self, sp: Any, final_only: bool) -> Any:
         v = self.v
+        kind = v.FINAL_ONLY if final_only else v.DELTA
         if isinstance(sp, v.SamplingParams):
             params = sp.clone()
-            params.output_kind = v.DELTA
+            params.output_kind = kind
             return params
         if sp is None:
             sp = {}
@@ -375,7 +427,7 @@ class EngineWorker:
                 f"not {type(sp).__name__}"
             )
         check_sampling_keys(sp, v.SamplingParams.__struct_fields__)
-        return v.SamplingParams(**{**sp, "output_kind": v.DELTA})
+        return v.SamplingParams(**{**sp, "output_kind": kind})
 
     def _render(self, chunk: StageInput) -> Any:
         v, engine = self.v, self.engine
@@ -458,6 +510,54 @@ class EngineWorker:
             p.kill()
         psutil.wait_procs(alive, timeout=5.0)
         self.engine = None
+
+
+class _Live:
+    """A request in the engine, as the worker tracks it: its flow control, vLLM's output
+    collector for it (once added), and whether its last output was taken."""
+
+    __slots__ = ("collector", "done", "finished", "flow")
+
+    def __init__(self, flow: Flow) -> None:
+        self.flow = flow
+        self.collector: Any = None  # vLLM's RequestOutputCollector
+        self.done = trio.Event()  # set when the request finished or failed
+        self.finished = False
+
+    def attach(self, request_id: str, collector: Any, mark: Callable[[str], None]) -> None:
+        """Watch vLLM's collector: each put (an engine step's output, or an error) marks the
+        request for the next flush. vLLM calls ``put`` on its loop, in this thread."""
+        put = collector.put
+
+        def put_and_mark(output: Any) -> None:
+            put(output)
+            mark(request_id)
+
+        collector.put = put_and_mark
+        self.collector = collector
+        if collector.output is not None:
+            mark(request_id)
+
+    def has_output(self) -> bool:
+        return self.collector is not None and self.collector.output is not None
+
+    def take(self, worker: EngineWorker) -> Any:
+        """The collector's output as a StageOutput (or the failure it holds); marks the
+        request done on its last output or a failure."""
+        try:
+            ro = self.collector.get_nowait()
+        except worker.v.EngineDeadError as exc:
+            self.done.set()
+            return engine_died(worker.name, exc)
+        except Exception as exc:
+            self.done.set()
+            return outcome.Error(exc)
+        if ro is None:
+            return None
+        if ro.finished:
+            self.finished = True
+            self.done.set()
+        return to_stage_output(ro)
 
 
 def _reap(pids: list[int]) -> None:

@@ -3,10 +3,15 @@
 Each replica owns a worker thread that runs ``trio.run`` with a ``trio_asyncio.open_loop()``
 and hosts the AsyncLLM (see ``_vllm_worker``). The orchestrator's loop never runs vLLM code:
 requests, aborts and control calls cross into the worker through
-:mod:`omni_trio.transport.bridge` channels, and each request streams its outputs back on a
-bridge of its own (bounded: a slow consumer holds vLLM's outputs, which vLLM merges into
-bigger deltas). vllm is imported in the worker thread only, so ``import omni_trio`` stays
-light; without vllm, start-up raises :class:`~omni_trio.errors.BackendUnavailableError`.
+:mod:`omni_trio.transport.bridge` channels. Outputs come back on one bridge per replica:
+everything one engine step produced, for all of its requests, crosses as one batch with at
+most one wake-up, and a demultiplexing task hands each request its items. Backpressure stays
+per request: each has a window of ``output_buffer`` outputs sent and not yet taken; a
+request out of credit leaves its outputs in vLLM's collector (which merges its deltas) until
+it has taken half of them, so a slow consumer holds back only its own request. A request
+whose outputs nobody streams (see ``outputs_streamed``) asks vLLM for ``FINAL_ONLY``.
+vllm is imported in the worker thread only, so ``import omni_trio`` stays light; without
+vllm, start-up raises :class:`~omni_trio.errors.BackendUnavailableError`.
 
 Config (a stage with ``backend: vllm``):
 
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import math
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -55,9 +61,10 @@ import outcome
 import trio
 
 from ..errors import InvalidRequestError, ReplicaDeadError, StageError
+from ..outputs import StageOutput
 from ..transport.bridge import BridgeReceiver, BridgeSender, open_bridge
 from ._abc import Emit, InputStream, StageBackend, collect_input
-from ._vllm_protocol import CPU_ENGINE_DEFAULTS, Abort, Died, Rpc, Submit
+from ._vllm_protocol import CPU_ENGINE_DEFAULTS, END, Abort, Batch, Died, Flow, Resume, Rpc, Submit
 from ._vllm_worker import EngineWorker
 from .options import VllmOptions, parse_options
 
@@ -66,6 +73,13 @@ __all__ = ["CPU_ENGINE_DEFAULTS", "VllmBackend"]
 logger = logging.getLogger(__name__)
 
 THREAD_PREFIX = "omni-trio-vllm"
+
+# The output bridge's window counts batches (one per engine step), not outputs; what bounds
+# the memory is each request's own window (Flow), so this one never fills in practice.
+_OUTPUT_BATCHES = 1 << 20
+
+#: a request's items on the backend side: outputs, its failure, END
+_Item = StageOutput | outcome.Error | object
 
 
 class VllmBackend(StageBackend):
@@ -79,6 +93,9 @@ class VllmBackend(StageBackend):
         self._worker: EngineWorker | None = None
         self._cmd_tx: BridgeSender[Any] | None = None
         self._evt_rx: BridgeReceiver[Any] | None = None
+        self._out_rx: BridgeReceiver[Batch] | None = None
+        # request id -> where the demultiplexer puts that request's items
+        self._inboxes: dict[str, trio.MemorySendChannel[_Item]] = {}
         self._exited = trio.Event()
         self.core_pids: tuple[int, ...] = ()
         self.options = parse_options(
@@ -101,7 +118,8 @@ class VllmBackend(StageBackend):
         """
         cmd_tx, cmd_rx = open_bridge(256, name=f"{self.name}:commands")
         evt_tx, evt_rx = open_bridge(8, name=f"{self.name}:events")
-        self._cmd_tx, self._evt_rx = cmd_tx, evt_rx
+        out_tx, out_rx = open_bridge[Batch](_OUTPUT_BATCHES, name=f"{self.name}:outputs")
+        self._cmd_tx, self._evt_rx, self._out_rx = cmd_tx, evt_rx, out_rx
         token = trio.lowlevel.current_trio_token()
         exited = self._exited
 
@@ -115,6 +133,7 @@ class VllmBackend(StageBackend):
             options=msgspec.structs.asdict(self.options),
             cmd_rx=cmd_rx,
             evt_tx=evt_tx,
+            out_tx=out_tx,
             on_exit=on_exit,
             on_phase=self.mark_phase,
         )
@@ -137,13 +156,33 @@ class VllmBackend(StageBackend):
 
     async def _serve_forever(self) -> None:
         assert self._evt_rx is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._demultiplex)
+            try:
+                async for event in self._evt_rx:
+                    if isinstance(event, Died):
+                        self._die(ReplicaDeadError(f"replica {self.name}: {event.reason}"))
+                        break
+            except anyio.BrokenResourceError:
+                pass  # the worker's loop ended: the base class marks the replica dead
+            nursery.cancel_scope.cancel()
+
+    async def _demultiplex(self) -> None:
+        """Hand each item of the worker's per-step batches to its request (one wake-up per
+        engine step for all of them). When the worker's output side ends, every request
+        still waiting is told so (its inbox closes without END)."""
+        assert self._out_rx is not None
         try:
-            async for event in self._evt_rx:
-                if isinstance(event, Died):
-                    self._die(ReplicaDeadError(f"replica {self.name}: {event.reason}"))
-                    return
+            async for batch in self._out_rx:
+                for request_id, item in batch:
+                    inbox = self._inboxes.get(request_id)
+                    if inbox is not None:
+                        inbox.send_nowait(item)
         except anyio.BrokenResourceError:
-            pass  # the worker's loop ended: the base class marks the replica dead
+            pass
+        finally:
+            for inbox in self._inboxes.values():
+                inbox.close()
 
     async def _stop(self) -> None:
         """Stop the AsyncLLM (~1-5 s), reap its processes and join the worker thread.
@@ -159,8 +198,9 @@ class VllmBackend(StageBackend):
         await self._exited.wait()
         # The thread's last act was to schedule ``exited.set``: this join is immediate.
         self._thread.join()
-        if self._evt_rx is not None:
-            self._evt_rx.close()
+        for end in (self._evt_rx, self._out_rx):
+            if end is not None:
+                end.close()
 
     # -- requests -----------------------------------------------------------------------------
     async def run_request(
@@ -186,32 +226,63 @@ class VllmBackend(StageBackend):
     ) -> None:
         assert self._cmd_tx is not None
         prompt = await collect_input(inputs)
-        out_tx, out_rx = open_bridge(self._out_buffer, name=f"{self.name}:{request_id}")
-        await self._cmd_tx.send(Submit(request_id, prompt, sampling_params, out_tx))
-        finished = False
+        flow = Flow(self._out_buffer)
+        # unbounded here: the worker sends at most flow.window outputs not yet taken
+        inbox, items = trio.open_memory_channel[_Item](math.inf)
+        self._inboxes[request_id] = inbox
+        final_only = not self.outputs_streamed(request_id)
+        ended = finished = False
         try:
-            async for item in out_rx:
+            await self._cmd_tx.send(Submit(request_id, prompt, sampling_params, final_only, flow))
+            async for item in items:
+                if item is END:
+                    ended = True
+                    break
                 if isinstance(item, outcome.Error):
                     if isinstance(item.error, ReplicaDeadError):  # the engine died
                         self._die(item.error)
                     item.unwrap()
+                assert isinstance(item, StageOutput)
+                if flow.took():
+                    await self._resume(request_id)
                 await emit(item)
                 finished = item.finished
+                if finished:
+                    return
+            if not ended:
+                raise ReplicaDeadError(
+                    f"replica {self.name}: its worker stopped while request "
+                    f"{request_id!r} was running",
+                    stage_id=self.stage_id,
+                    replica=self.replica,
+                )
         finally:
-            if not finished:
-                await self._abort_and_drain(request_id, out_rx)
-            out_rx.close()
+            if not (finished or ended):
+                await self._abort_and_drain(request_id, items)
+            del self._inboxes[request_id]
+            inbox.close()
 
-    async def _abort_and_drain(self, request_id: str, out_rx: BridgeReceiver[Any]) -> None:
-        # The worker closes the request's bridge only after vLLM confirmed the abort, so
-        # reading to its end is what makes "aborted in the engine before returning" true.
+    async def _resume(self, request_id: str) -> None:
+        # rare (only after this request ran out of credit): tell the worker to go on
+        assert self._cmd_tx is not None
+        try:
+            self._cmd_tx.send_nowait(Resume(request_id))
+        except anyio.WouldBlock:
+            await self._cmd_tx.send(Resume(request_id))
+
+    async def _abort_and_drain(
+        self, request_id: str, items: trio.MemoryReceiveChannel[_Item]
+    ) -> None:
+        # The worker sends END only after vLLM confirmed the abort, so reading up to it is
+        # what makes "aborted in the engine before returning" true.
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + self._abort_timeout
             try:
                 assert self._cmd_tx is not None
                 await self._cmd_tx.send(Abort(request_id))
-                async for _ in out_rx:
-                    pass
+                async for item in items:
+                    if item is END:
+                        break
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 pass  # the worker is gone, and its engine with it
         if scope.cancelled_caught:
