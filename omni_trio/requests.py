@@ -142,7 +142,7 @@ class Request:
 
     def output(self, item: StageItem) -> OmniOutput:
         """The OmniOutput a caller gets for a stage's output. Synchronous, pure."""
-        return self._convert(self.request_id, item[0], item[1])
+        return self._convert(self.lifecycle.request_id, item[0], item[1])
 
     def end(self) -> RequestStatus:
         """The request's task ended: decide its status, queue its terminal outputs (an aborted
@@ -234,9 +234,10 @@ class RequestHandle:
     async def receive(self) -> OmniOutput:
         """The next output, terminals included. Always checkpoints. Raises
         ``trio.EndOfChannel`` after the last one, or the request's error if it failed."""
-        item = await self._req.queue.receive()
+        req = self._req
+        item = await req.queue.receive()
         if type(item) is tuple:
-            return self._req.output(item)
+            return req.output(item)
         if isinstance(item, outcome.Error):
             item.unwrap()
         assert isinstance(item, OmniOutput)

@@ -110,12 +110,11 @@ class OutputQueue(Generic[T]):
         if self._receiver is not None:
             raise trio.BusyResourceError("another task is already receiving from this queue")
         self._receiver = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
 
-        def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
-            self._receiver = None
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
+    def _abort_wait(self, _: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+        self._receiver = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
     # -- sending side ------------------------------------------------------------------------
     async def send(self, item: T) -> None:
@@ -174,15 +173,16 @@ class OutputQueue(Generic[T]):
         """The next item. Always checkpoints. Raises ``trio.EndOfChannel`` when the sending
         side closed and every item was received, ``trio.ClosedResourceError`` after
         :meth:`close_receiver`."""
-        if len(self._items) > self._head and not self._receiver_closed:
+        items = self._items
+        if len(items) > self._head and not self._receiver_closed:
             # the common case, an item is here: one checkpoint (cancelled there, the item
             # stays queued), then take it
             await trio.lowlevel.checkpoint()
-            if len(self._items) > self._head:
+            if len(items) > self._head:
                 return self._popleft()
         await trio.lowlevel.checkpoint_if_cancelled()
         waited = False
-        while not len(self):
+        while len(items) <= self._head:
             if self._receiver_closed:
                 raise trio.ClosedResourceError("the queue's receiving side is closed")
             if self._closed:
