@@ -88,14 +88,23 @@ def one_chunk(chunk: StageInput) -> trio.MemoryReceiveChannel[StageInput]:
 
 
 async def run(
-    backend: VllmBackend, rid: str, chunk: StageInput, sp: Any = None
+    backend: VllmBackend,
+    rid: str,
+    chunk: StageInput,
+    sp: Any = None,
+    *,
+    streamed: bool = True,
+    slow: bool = False,
 ) -> list[StageOutput]:
     outs: list[StageOutput] = []
 
     async def emit(o: StageOutput) -> None:
         outs.append(o)
+        if slow:  # a consumer slower than the engine: the request runs out of credit
+            await trio.sleep(0.05)
 
-    await backend.run_request(rid, one_chunk(chunk), sp if sp is not None else GREEDY, emit)
+    sp = sp if sp is not None else GREEDY
+    await backend.run_request(rid, one_chunk(chunk), sp, emit, streamed=streamed)
     return outs
 
 
@@ -110,7 +119,8 @@ def stage(sid: str, engine_args: dict[str, Any], **kw: Any) -> StageConfig:
 # -- backend-level ------------------------------------------------------------------------
 async def test_backend_streams_greedy_tokens_aborts_and_cleans_up() -> None:
     threads_before = {t.name for t in threading.enumerate()}
-    backend = VllmBackend(stage("thinker", THINKER), stage_index=0)
+    # a window of 2 outputs: a consumer slower than the engine stalls its request
+    backend = VllmBackend(stage("thinker", THINKER, options={"output_buffer": 2}), stage_index=0)
     ref: list[Any] = []
     ref_done = trio.Event()
     async with trio.open_nursery() as nursery:
@@ -135,8 +145,15 @@ async def test_backend_streams_greedy_tokens_aborts_and_cleans_up() -> None:
             assert outs[-1].finish_reason == "length"
             assert len(tokens(outs)) == GREEDY["max_tokens"]
             assert outs[-1].metrics is not None and outs[-1].metrics["num_generation_tokens"] == 24
-        # token-id and prompt-dict inputs continue the same greedy sequence
         first = tokens(by_text[0])
+        # a slow consumer: the request stalls (its deltas merge in vLLM) and resumes, and
+        # nothing is lost; a request nobody streams gets one output, the whole of it
+        slow = await run(backend, "slow", StageInput(prompt=PROMPTS[0]), slow=True)
+        assert tokens(slow) == first and max(len(o.token_ids) for o in slow) > 1
+        whole = await run(backend, "whole", StageInput(prompt=PROMPTS[0]), streamed=False)
+        assert [tokens(whole), len(whole), whole[0].finished] == [first, 1, True]
+        assert whole[0].metrics is not None
+        # token-id and prompt-dict inputs continue the same greedy sequence
         by_ids = await run(backend, "ids", StageInput(token_ids=tuple(first[:8])))
         by_dict = await run(backend, "dict", StageInput(data={"prompt_token_ids": first[:8]}))
         assert tokens(by_ids) == tokens(by_dict)
@@ -199,7 +216,7 @@ async def test_backend_streams_greedy_tokens_aborts_and_cleans_up() -> None:
         assert isinstance(ranks, list) and len(ranks) == 1  # one answer per worker rank
         stats = backend.statistics()
         assert stats.requests_in_flight == 0 and stats.requests_aborted == 2
-        assert stats.requests_failed == 2 and stats.requests_finished >= 5
+        assert stats.requests_failed == 2 and stats.requests_finished >= 7
 
         await ref_done.wait()  # the reference subprocess finishes in its own time
         nursery.cancel_scope.cancel()

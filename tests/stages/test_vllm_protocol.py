@@ -1,0 +1,57 @@
+"""The vllm backend's pure parts: per-request flow control and output conversion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omni_trio.stages._vllm_protocol import Flow, to_stage_output
+
+
+def test_flow_stalls_without_credit_and_resumes_at_half_the_window() -> None:
+    flow = Flow(4)
+    assert [flow.reserve() for _ in range(5)] == [True, True, True, True, False]
+    assert "stalled=True" in repr(flow)
+    # taking one leaves 3 of 4 in flight: no resume; the second leaves half: resume, once
+    assert [flow.took(), flow.took()] == [False, True]
+    assert flow.reserve() and not flow.took()
+    assert "in_flight=2/4 stalled=False" in repr(flow)
+
+
+@dataclass
+class _Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Metrics:
+    num_generation_tokens: int
+
+
+@dataclass
+class _RequestOutput:
+    outputs: list[_Completion]
+    finished: bool
+    prompt_token_ids: list[int] = field(default_factory=lambda: [1, 2, 3])
+    metrics: _Metrics | None = None
+    num_cached_tokens: int | None = 0
+
+
+def test_metrics_are_built_only_for_the_finished_output() -> None:
+    delta = to_stage_output(_RequestOutput([_Completion([5, 6], "ab", None)], finished=False))
+    assert (delta.token_ids, delta.text, delta.finished, delta.metrics) == (
+        (5, 6),
+        "ab",
+        False,
+        None,
+    )
+    last = to_stage_output(
+        _RequestOutput([_Completion([7], "c", "length")], True, metrics=_Metrics(3))
+    )
+    assert (last.token_ids, last.finished, last.finish_reason) == ((7,), True, "length")
+    assert last.metrics == {
+        "num_generation_tokens": 3,
+        "num_cached_tokens": 0,
+        "num_prompt_tokens": 3,
+    }
