@@ -14,8 +14,10 @@
    what other processes cannot inflate), and CPU microseconds per output.
 3. Per-hop latency (``hop_latency``): a stage's finished output -> the next stage holding its
    input, one request at a time through 3 scripted stages.
-4. Python heap per in-flight request (``memory``, ``memory_1_stage``): tracemalloc over N
-   requests that every stage holds (the first stage hangs before emitting).
+4. Python heap per in-flight request: tracemalloc over N requests held by a stage that never
+   emits: 3 stages held by the first (``memory``) or by the last one, once the two before it
+   finished (``memory_3_stages_in_last``: their outputs are kept for ``abort()``), and one
+   stage (``memory_1_stage``).
 5. The engine's CPU time while idle (``idle``).
 
 ``targets`` judges issue 9's model-free targets on these figures.
@@ -98,14 +100,21 @@ def hop_stats(n_stages: int) -> dict[str, float]:
     }
 
 
-def pipeline(n_stages: int, outputs: int, timed: bool = False, **opts: Any):
+def pipeline(
+    n_stages: int,
+    outputs: int,
+    timed: bool = False,
+    stage_opts: dict[int, dict[str, Any]] | None = None,
+    **opts: Any,
+):
     backend = f"{__name__}:TimedScripted" if timed else "scripted"
+    stage_opts = stage_opts or {}
     stages = [
         {
             "id": f"s{i}",
             "backend": backend,
             "inputs": [f"s{i - 1}"] if i else [],
-            "options": {"outputs": outputs, **opts},
+            "options": {"outputs": outputs, **opts, **stage_opts.get(i, {})},
             "final_output": i == n_stages - 1,
         }
         for i in range(n_stages)
@@ -398,10 +407,13 @@ async def hop_latency(n_requests: int, outputs: int) -> dict[str, float]:
     return hop_stats(3)
 
 
-async def rss_per_request(n: int, n_stages: int = 3) -> dict[str, float]:
+async def rss_per_request(n: int, n_stages: int = 3, hang_stage: int = 0) -> dict[str, float]:
+    """Heap per request in flight, every one of them held by stage ``hang_stage`` (which
+    never emits; the stages before it finished their 16 outputs)."""
     # tracemalloc sees every Python allocation; RSS alone hides them in freed arenas
     proc = psutil.Process()
-    cfg = pipeline(n_stages, 16, hang=True, record=False)
+    cfg = pipeline(n_stages, 16, record=False, stage_opts={hang_stage: {"hang": True}})
+    held_by = f"s{hang_stage}"
     async with omni_trio.open_engine(cfg) as engine:
         gc.collect()
         tracemalloc.start()
@@ -412,8 +424,8 @@ async def rss_per_request(n: int, n_stages: int = 3) -> dict[str, float]:
             s = engine.generate(PROMPT, request_id=f"m{i}")
             await s.__aenter__()
             streams.append(s)
-        # let every request reach every stage (each stage's backend holds it)
-        while engine.statistics().stage_requests_in_flight < n_stages * n:  # noqa: ASYNC110 (a probe)
+        # let every request reach the hanging stage
+        while engine.statistics().stage(held_by).requests_in_flight < n:  # noqa: ASYNC110
             await trio.sleep(0.01)
         gc.collect()
         after = proc.memory_info().rss
@@ -497,6 +509,7 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
     worst_tp = min(c["ratio_cpu"] for c in results["throughput"])
     kib = results["memory"]["python_heap_per_request_kib"]
     kib_1 = results["memory_1_stage"]["python_heap_per_request_kib"]
+    kib_last = results["memory_3_stages_in_last"]["python_heap_per_request_kib"]
     return {
         "fake_wall_ratio_le_1.05": [worst_wall, worst_wall <= 1.05],
         "hop_p50_lt_0.05_ms": [hop["p50_ms"], hop["p50_ms"] < 0.05],
@@ -504,6 +517,7 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
         "scripted_ratio_ge_0.5": [worst_tp, worst_tp >= 0.5],
         "heap_per_request_lt_10_kib_3_stages": [kib, kib < 10],
         "heap_per_request_lt_10_kib_1_stage": [kib_1, kib_1 < 10],
+        "heap_per_request_lt_10_kib_3_stages_in_last": [kib_last, kib_last < 10],
     }
 
 
@@ -526,12 +540,16 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         for k, v in (await hop_latency(50 if args.quick else 300, args.outputs)).items()
     }
     n_mem = 200 if args.quick else 1000
-    results["memory"] = {
-        k: round(v, 3) for k, v in (await rss_per_request(n_mem, n_stages=3)).items()
-    }
-    results["memory_1_stage"] = {
-        k: round(v, 3) for k, v in (await rss_per_request(n_mem, n_stages=1)).items()
-    }
+    # 3 stages, requests held by the first stage / by the last one (the two before it done,
+    # their outputs kept for abort()), and 1 stage
+    for key, n_stages, hang_stage in [
+        ("memory", 3, 0),
+        ("memory_3_stages_in_last", 3, 2),
+        ("memory_1_stage", 1, 0),
+    ]:
+        results[key] = {
+            k: round(v, 3) for k, v in (await rss_per_request(n_mem, n_stages, hang_stage)).items()
+        }
     results["idle"] = {k: round(v, 4) for k, v in (await idle_cpu(args.idle_seconds)).items()}
     results["targets"] = targets(results)
     return results

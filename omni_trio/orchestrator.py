@@ -4,9 +4,12 @@
 requests always stop before stages). Each admitted request runs as one task in it, under its
 own cancel scope (abort = cancel that scope), and its whole life is decided by one pure
 :class:`~omni_trio.lifecycle.RequestLifecycle`. Each active stage of a request runs the request
-on the stage's pool (the last one in the request task itself, the others as tasks in its
-nursery); what happens to its outputs depends on who needs them
-(:func:`~omni_trio.planning.stage_path`):
+on the stage's pool, in the request task itself when it is the only one running (a chain of
+stages each started by the one before needs no other task), else as tasks in a nursery.
+Entry stages and ``stream_input`` stages start with the request; a stage that takes its input
+whole starts once every upstream finished, in the task of the last one (without observers:
+until then it holds no replica binding, channel or task). What happens to a stage's outputs
+depends on who needs them (:func:`~omni_trio.planning.stage_path`):
 
 - an output stage that feeds no other stage puts them, as emitted, into the request's bounded
   :class:`~omni_trio.transport.queue.OutputQueue`; the consumer builds each
@@ -62,6 +65,15 @@ logger = logging.getLogger(__name__)
 _STOPPED = StageOutput(finished=True, finish_reason="stop")
 #: what a stage's outbox ends with when its backend returned normally
 _COMPLETED = StageOutput(finished=True, finish_reason="completed")
+
+
+def _one_chunk(chunk: StageInput | None) -> trio.MemoryReceiveChannel[StageInput]:
+    """A stage's whole input as a closed channel holding one chunk (none: ``None``)."""
+    send, receive = trio.open_memory_channel[StageInput](1)
+    if chunk is not None:
+        send.send_nowait(chunk)
+    send.close()
+    return receive
 
 
 class Orchestrator:
@@ -143,37 +155,48 @@ class Orchestrator:
         feeds: list[StageFeed] = []
         try:
             with req.scope:
-                runs = self._request_runs(req, feeds)
-                if len(runs) == 1:
-                    await runs[0]()  # one stage, no routing task: no nursery either
-                    return
-                async with trio.open_nursery() as nursery:
-                    # the last one runs in this task: one task fewer per request
-                    for run in runs[:-1]:
-                        nursery.start_soon(run, name=req.request_id)  # no name to derive
-                    await runs[-1]()
+                await self._run_all(req, self._request_runs(req, feeds))
         finally:
             for feed in feeds:
                 feed.close()
             self._finish(req)
 
+    async def _run_all(self, req: Request, runs: list[Callable[[], Awaitable[None]]]) -> None:
+        # The last run in this task (one task fewer per request; a single run, such as a
+        # chain of stages each started by the one before, needs no nursery), the others in
+        # a nursery. Checkpoints.
+        if len(runs) == 1:
+            await runs[0]()
+            return
+        async with trio.open_nursery() as nursery:
+            for run in runs[:-1]:
+                nursery.start_soon(run, name=req.request_id)  # no name to derive
+            await runs[-1]()
+
     def _request_runs(
         self, req: Request, feeds: list[StageFeed]
     ) -> list[Callable[[], Awaitable[None]]]:
-        """Open each active stage's input channel (the entry stages get the request's first
-        input, the others a :class:`StageFeed`, appended to ``feeds``) and return what runs
-        for every stage. Synchronous."""
+        """Build every active stage's feed (appended to ``feeds``) and return what runs at
+        once. Synchronous.
+
+        Entry stages start at once with the request's first input. Without observers, a stage
+        that takes its input whole (no ``stream_input``) starts only once every upstream
+        finished, in the task of the last one to finish (:meth:`_start_ready`): it holds no
+        replica binding, channel or task while it waits. Observers see every stage start with
+        the request (the routed path, as they always have); ``stream_input`` stages start at
+        once and get their input as it comes."""
         plan = req.plan
+        defer = not self.observers
         inputs: dict[str, trio.MemoryReceiveChannel[StageInput]] = {}
         feeds_of: dict[str, list[StageFeed]] = {sid: [] for sid in plan.active}
         for sid in plan.active:
             st = self.config.stage(sid)
-            send, receive = trio.open_memory_channel[StageInput](self.config.output_buffer)
-            inputs[sid] = receive
             if not st.inputs:
-                send.send_nowait(req.first_input)
-                send.close()
+                inputs[sid] = _one_chunk(req.first_input)
                 continue
+            send: trio.MemorySendChannel[StageInput] | None = None
+            if not (defer and not st.stream_input):
+                send, inputs[sid] = trio.open_memory_channel[StageInput](self.config.output_buffer)
             feed = StageFeed(
                 sid,
                 st.inputs,
@@ -184,14 +207,30 @@ class Orchestrator:
                 request_id=req.request_id,
                 observers=self.observers,
             )
+            feed.onward = feeds_of[sid]
             feeds.append(feed)
             for up in st.inputs:
                 feeds_of[up].append(feed)
         return [
             run
             for sid in plan.active
+            if sid in inputs
             for run in self._stage_tasks(req, sid, inputs[sid], feeds_of[sid])
         ]
+
+    async def _start_ready(
+        self, req: Request, ready: list[tuple[StageFeed, StageInput | None]]
+    ) -> None:
+        """Start the deferred stages whose input just became complete, each with its final
+        chunk as its whole input; one of them in this task. Checkpoints (it runs them)."""
+        await self._run_all(
+            req,
+            [
+                run
+                for feed, chunk in ready
+                for run in self._stage_tasks(req, feed.stage_id, _one_chunk(chunk), feed.onward)
+            ],
+        )
 
     def _stage_tasks(
         self,
@@ -285,6 +324,7 @@ class Orchestrator:
 
         if not await self._run_stage(req, sid, inputs, emit, streamed=False):
             return
+        ready: list[tuple[StageFeed, StageInput | None]] = []
         try:
             if not req.lifecycle.failed:
                 if not req.lifecycle.stage_finished(sid):
@@ -294,11 +334,28 @@ class Orchestrator:
                         chunk = feed.take(sid, out)
                         if chunk is not None:
                             await feed.send(sid, chunk)
-                    if feed.finish(sid):
-                        await feed.send_final(feed.final_chunk())
+                await self._finish_feeds(sid, feeds, ready)
         except OmniTrioError as exc:
             # an input processor failed: a failure of its own (downstream) stage
             req.fail(sid, exc)
+            return
+        if ready:
+            await self._start_ready(req, ready)
+
+    @staticmethod
+    async def _finish_feeds(
+        sid: str, feeds: list[StageFeed], ready: list[tuple[StageFeed, StageInput | None]]
+    ) -> None:
+        """Stage ``sid`` finished: close the input of each downstream stage that has all its
+        input now (deferred ones go to ``ready``, to be started). Checkpoints only when a
+        channel is full. Raises StageError if an input processor fails."""
+        for feed in feeds:
+            if feed.finish(sid):
+                chunk = feed.final_chunk()
+                if feed.deferred:
+                    ready.append((feed, chunk))
+                else:
+                    await feed.send_final(chunk)
 
     async def _run_stage(
         self,
@@ -365,6 +422,7 @@ class Orchestrator:
         # them) are routed in batches: after the first one (its time is a metric), this task
         # wakes when the outbox is full or the backend ended, not once per output.
         batch = not streamed
+        ready: list[tuple[StageFeed, StageInput | None]] = []
         if self.observers:
             self.observers.emit("stage_started", rid, sid)
         try:
@@ -391,9 +449,7 @@ class Orchestrator:
                 if not req.lifecycle.stage_finished(sid):
                     # the backend ended without a finished output; the caller gets one
                     await self._route(req, sid, _STOPPED, feeds, first)
-                for feed in feeds:
-                    if feed.finish(sid):
-                        await feed.send_final(feed.final_chunk())
+                await self._finish_feeds(sid, feeds, ready)
                 status = "finished"
         except OmniTrioError as exc:
             # a routing failure (contract, input processor): cancels the request, and with
@@ -404,6 +460,8 @@ class Orchestrator:
                 status = "failed"
             if self.observers:
                 self.observers.emit("stage_finished", rid, sid, status)
+        if ready and status == "finished":
+            await self._start_ready(req, ready)
 
     async def _route(
         self, req: Request, sid: str, out: StageOutput, feeds: list[StageFeed], first: bool

@@ -1,12 +1,16 @@
 """Stage-to-stage feeds: upstream outputs of one request -> one downstream stage's input.
 
-A :class:`StageFeed` belongs to one downstream stage of one request. The orchestrator's
-routing task of each upstream stage hands it that stage's outputs (:meth:`StageFeed.on_output`)
-and tells it when the upstream finished (:meth:`StageFeed.on_finished`); the feed runs the
-downstream stage's input processor and sends the resulting chunks into the downstream
-stage's bounded input channel. It never runs inside a backend's call stack, so a processor
-that raises fails the request as a :class:`~omni_trio.errors.StageError` of the *downstream*
-stage and counts against no replica of the upstream one.
+A :class:`StageFeed` belongs to one downstream stage of one request. The orchestrator hands
+it each upstream stage's outputs (:meth:`StageFeed.take`) and tells it when an upstream
+finished (:meth:`StageFeed.finish`); the feed runs the downstream stage's input processor.
+A streaming feed (``stream_input``) sends each processed chunk into the downstream stage's
+bounded input channel as it comes. Otherwise the feed collects the outputs and processes them
+once every upstream finished (:meth:`StageFeed.final_chunk`): either it sends that chunk into
+the channel of a stage already running, or (a *deferred* feed, with no channel) the
+orchestrator starts the downstream stage with it only then. It never runs inside a backend's
+call stack, so a processor that raises fails the request as a
+:class:`~omni_trio.errors.StageError` of the *downstream* stage and counts against no replica
+of the upstream one.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class StageFeed:
         "_processor",
         "_send",
         "_stream",
+        "onward",
         "request_id",
         "stage_id",
     )
@@ -52,7 +57,7 @@ class StageFeed:
         stream: bool,
         processor: InputProcessor,
         options: Mapping[str, Payload],
-        send: trio.MemorySendChannel[StageInput],
+        send: trio.MemorySendChannel[StageInput] | None,
         request_id: str,
         observers: ObserverSet,
     ) -> None:
@@ -65,6 +70,8 @@ class StageFeed:
         self._processor = processor
         self._options = options
         self._send = send
+        #: the feeds of this feed's own stage (to the stages downstream of it)
+        self.onward: list[StageFeed] = []
         self._collected: dict[str, list[StageOutput]] = {}  # filled as outputs come
         self._closed = False
 
@@ -88,6 +95,12 @@ class StageFeed:
                 request_id=self.request_id,
             )
         return chunk
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the downstream stage starts only once its input is complete: the feed has
+        no channel, the orchestrator starts the stage with :meth:`final_chunk`."""
+        return self._send is None
 
     @property
     def streams(self) -> bool:
@@ -133,6 +146,7 @@ class StageFeed:
         if self._observers:
             nbytes = payload_nbytes(chunk.token_ids, chunk.prompt, chunk.data)
             self._observers.emit("transfer", self.request_id, source, self.stage_id, nbytes)
+        assert self._send is not None, "a deferred feed sends nothing: its stage starts later"
         try:
             try:
                 self._send.send_nowait(chunk)
@@ -150,12 +164,14 @@ class StageFeed:
         if chunk is not None:
             await self.send(",".join(self._order), chunk)
         self._closed = True
-        self._send.close()
+        if self._send is not None:
+            self._send.close()
 
     def close(self) -> None:
         """Close the downstream input without a final chunk (the request is ending)."""
         self._closed = True
-        self._send.close()
+        if self._send is not None:
+            self._send.close()
 
     def __repr__(self) -> str:
         return (

@@ -373,3 +373,22 @@ async def test_observed_and_unobserved_requests_run_alike(autojump_clock, stream
             assert_nothing_in_flight(engine)
     assert results[0] == results[1]
     assert [len(v) for v in results[0][0].values()] == [4, 4] and results[0][1]
+
+
+@pytest.mark.parametrize("observed", [False, True])
+async def test_a_stage_taking_whole_input_starts_when_it_is_complete(autojump_clock, observed):
+    # Without observers, a stage without stream_input holds nothing (no replica binding, no
+    # channel, no task) until its upstream finished; observers see every stage start with
+    # the request, as they always have.
+    cfg = scripted_pipeline(2, outputs=4, latency_s=1.0)
+    async with omni_trio.open_engine(cfg) as engine:
+        if observed:
+            engine.add_observer(EngineObserver())
+        async with engine.generate(PROMPT, request_id="r") as stream:
+            await trio.sleep(2.5)  # s0 is half way
+            assert engine.pools["s0"].requests_in_flight == 1
+            assert engine.pools["s1"].requests_in_flight == (1 if observed else 0)
+            outs = [o async for o in stream]
+        assert [o.token_ids[0] for o in outs] == [t + 2 for t in PROMPT]
+        assert scripted_backends(engine, "s1")[0].completed == ["r"]
+        assert_nothing_in_flight(engine)
