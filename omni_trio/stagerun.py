@@ -1,0 +1,418 @@
+"""How one request's stages run, and where their outputs go: :class:`StageRunner`.
+
+The orchestrator's request task calls :meth:`StageRunner.run` inside the request's cancel
+scope. Each active stage runs the request on the stage's pool, in the request task itself
+when it is the only one running (a chain of stages each started by the one before needs no
+other task), else as tasks in a nursery. Entry stages and ``stream_input`` stages start with
+the request; a stage that takes its input whole starts once every upstream finished, in the
+task of the last one (without observers: until then it holds no replica binding, channel or
+task). What happens to a stage's outputs depends on who needs them
+(:func:`~omni_trio.planning.stage_path`):
+
+- an output stage that feeds no other stage puts them, as emitted, into the request's bounded
+  :class:`~omni_trio.transport.queue.OutputQueue`; the consumer builds each
+  :class:`~omni_trio.outputs.OmniOutput` when it reads it (no task between them);
+- a stage whose outputs nobody needs as they come keeps them, and once its backend returned
+  its task hands them to the downstream stages' input processors;
+- any other stage (an output stage that feeds another, a stage feeding a ``stream_input``
+  stage, or every stage while observers watch the engine) has a routing task beside it: the
+  backend's ``emit`` only fills a bounded outbox, and the routing loop delivers each output
+  to the caller, to the observers and to the downstream stages' input processors.
+
+Input processors and observers never run inside a backend's call stack. A stage's failure
+fails the request (:meth:`~omni_trio.requests.Request.fail`), an abort through a pool aborts
+it; nothing here decides the request's outcome.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
+
+import trio
+
+from .config import PipelineConfig
+from .errors import OmniTrioError, StageError
+from .lifecycle import ContractViolation
+from .observer import ObserverSet
+from .outputs import OmniOutput, StageInput, StageOutput
+from .planning import stage_path
+from .requests import Request
+from .routing import StageFeed
+from .stages._abc import StageAborted
+from .stages.pool import StagePool
+from .stages.processors import InputProcessor
+from .transport.queue import OutputQueue
+
+__all__ = ["StageRunner"]
+
+#: one stage task of a request (a backend run or a routing loop)
+Run = Callable[[], Awaitable[None]]
+
+_STOPPED = StageOutput(finished=True, finish_reason="stop")
+#: what a stage's outbox ends with when its backend returned normally
+_COMPLETED = StageOutput(finished=True, finish_reason="completed")
+
+
+def _one_chunk(chunk: StageInput | None) -> trio.MemoryReceiveChannel[StageInput]:
+    """A stage's whole input as a closed channel holding one chunk (none: ``None``)."""
+    send, receive = trio.open_memory_channel[StageInput](1)
+    if chunk is not None:
+        send.send_nowait(chunk)
+    send.close()
+    return receive
+
+
+class StageRunner:
+    """Runs the stages of the orchestrator's requests. Owned by the
+    :class:`~omni_trio.orchestrator.Orchestrator`."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        pools: Mapping[str, StagePool],
+        processors: Mapping[str, InputProcessor],
+        observers: ObserverSet,
+    ) -> None:
+        self.config = config
+        self._pools = pools
+        self._processors = processors
+        self.observers = observers
+        self._index = {sid: i for i, sid in enumerate(config.stage_ids)}
+        self._kinds = [st.output_type for st in config.stages]
+
+    async def run(self, req: Request, feeds: list[StageFeed]) -> None:
+        """Run every active stage of ``req`` until each ended; the feeds between them are
+        appended to ``feeds`` (the caller closes them). Checkpoints; call it inside the
+        request's cancel scope. Failures fail the request, they are not raised."""
+        await self._run_all(req, self._request_runs(req, feeds))
+
+    async def _run_all(self, req: Request, runs: list[Run]) -> None:
+        # the last run in this task (a single run needs no nursery), the others in a nursery
+        if len(runs) == 1:
+            await runs[0]()
+            return
+        async with trio.open_nursery() as nursery:
+            for run in runs[:-1]:
+                nursery.start_soon(run, name=req.request_id)  # no name to derive
+            await runs[-1]()
+
+    def _request_runs(self, req: Request, feeds: list[StageFeed]) -> list[Run]:
+        """Build every active stage's feed (appended to ``feeds``; deferred ones, without a
+        channel, unless observers watch) and return what runs at once. Synchronous."""
+        plan = req.plan
+        defer = not self.observers
+        inputs: dict[str, trio.MemoryReceiveChannel[StageInput]] = {}
+        feeds_of: dict[str, list[StageFeed]] = {sid: [] for sid in plan.active}
+        for sid in plan.active:
+            st = self.config.stage(sid)
+            if not st.inputs:
+                inputs[sid] = _one_chunk(req.first_input)
+                continue
+            send: trio.MemorySendChannel[StageInput] | None = None
+            if not (defer and not st.stream_input):
+                send, inputs[sid] = trio.open_memory_channel[StageInput](self.config.output_buffer)
+            feed = StageFeed(
+                sid,
+                st.inputs,
+                stream=st.stream_input,
+                processor=self._processors[sid],
+                options=st.processor_options,
+                send=send,
+                request_id=req.request_id,
+                observers=self.observers,
+            )
+            feed.onward = feeds_of[sid]
+            feeds.append(feed)
+            for up in st.inputs:
+                feeds_of[up].append(feed)
+        return [
+            run
+            for sid in plan.active
+            if sid in inputs
+            for run in self._stage_tasks(req, sid, inputs[sid], feeds_of[sid])
+        ]
+
+    async def _start_ready(
+        self, req: Request, ready: list[tuple[StageFeed, StageInput | None]]
+    ) -> None:
+        """Start the deferred stages whose input just became complete, each with its final
+        chunk as its whole input; one of them in this task. Checkpoints (it runs them)."""
+        await self._run_all(
+            req,
+            [
+                run
+                for feed, chunk in ready
+                for run in self._stage_tasks(req, feed.stage_id, _one_chunk(chunk), feed.onward)
+            ],
+        )
+
+    def _stage_tasks(
+        self,
+        req: Request,
+        sid: str,
+        inputs: trio.MemoryReceiveChannel[StageInput],
+        feeds: list[StageFeed],
+    ) -> list[Run]:
+        """What runs for stage ``sid`` of a request: one or two tasks (see ``stage_path``).
+        ``streamed``: a caller or a ``stream_input`` stage needs the outputs as they come
+        (else the backend may send its finished output only)."""
+        streamed = sid in req.plan.outputs or any(f.streams for f in feeds)
+        path = stage_path(
+            output=sid in req.plan.outputs,
+            feeds=len(feeds),
+            streamed=streamed,
+            observed=bool(self.observers),
+        )
+        if path == "pulled":
+            return [partial(self._run_pulled, req, sid, inputs)]
+        if path == "collected":
+            return [partial(self._run_collected, req, sid, inputs, feeds)]
+        outbox: OutputQueue[StageOutput] = OutputQueue(self.config.output_buffer)
+        return [
+            partial(self._run_backend, req, sid, inputs, outbox, streamed),
+            partial(self._route_stage, req, sid, outbox, feeds, streamed),
+        ]
+
+    def _record(self, req: Request, sid: str, out: StageOutput) -> tuple[str, StageOutput]:
+        """Note an output of stage ``sid`` in the request's lifecycle and its outputs so far.
+        Synchronous. Raises StageError naming the replica if the stage had finished."""
+        try:
+            req.lifecycle.stage_output(sid, out.finished)
+        except ContractViolation as exc:
+            replica = self._pools[sid].replica_of(req.request_id)
+            name = replica.name if replica is not None else f"{sid}[?]"
+            raise StageError(
+                f"replica {name} broke the backend contract: {exc}",
+                stage_id=sid,
+                request_id=req.request_id,
+            ) from None
+        item = (sid, out)
+        req.produced.append(item)
+        return item
+
+    async def _run_pulled(
+        self, req: Request, sid: str, inputs: trio.MemoryReceiveChannel[StageInput]
+    ) -> None:
+        # An output stage that feeds no other stage: its outputs go into the request's own
+        # queue, as they are, and the consumer turns them into OmniOutputs when it reads them
+        # (RequestHandle.receive): no routing task, no scheduler trip between the backend and
+        # the consumer. The queue's window is the backpressure.
+        queue = req.queue
+
+        async def emit(out: StageOutput) -> None:
+            item = self._record(req, sid, out)
+            try:
+                try:
+                    queue.send_nowait(item)
+                except trio.WouldBlock:
+                    await queue.send(item)
+            except trio.BrokenResourceError:
+                # the consumer stopped listening: that is an abort
+                req.request_abort()
+                await trio.lowlevel.checkpoint()
+
+        if await self._run_stage(req, sid, inputs, emit, streamed=True):
+            if not req.lifecycle.failed and not req.lifecycle.stage_finished(sid):
+                # the backend ended without a finished output; the caller gets one
+                await emit(_STOPPED)
+
+    async def _run_collected(
+        self,
+        req: Request,
+        sid: str,
+        inputs: trio.MemoryReceiveChannel[StageInput],
+        feeds: list[StageFeed],
+    ) -> None:
+        # A stage whose outputs nobody needs as they come (no caller, no streaming downstream
+        # stage): the backend's outputs are kept, and routed here once it returned (out of
+        # its call stack), straight to the downstream stages' input: no routing task.
+        outs: list[StageOutput] = []
+
+        async def emit(out: StageOutput) -> None:
+            outs.append(self._record(req, sid, out)[1])
+
+        if not await self._run_stage(req, sid, inputs, emit, streamed=False):
+            return
+        ready: list[tuple[StageFeed, StageInput | None]] = []
+        try:
+            if not req.lifecycle.failed:
+                if not req.lifecycle.stage_finished(sid):
+                    outs.append(self._record(req, sid, _STOPPED)[1])
+                for feed in feeds:
+                    for out in outs:
+                        chunk = feed.take(sid, out)
+                        if chunk is not None:
+                            await feed.send(sid, chunk)
+                await self._finish_feeds(sid, feeds, ready)
+        except OmniTrioError as exc:
+            # an input processor failed: a failure of its own (downstream) stage
+            req.fail(sid, exc)
+            return
+        if ready:
+            await self._start_ready(req, ready)
+
+    @staticmethod
+    async def _finish_feeds(
+        sid: str, feeds: list[StageFeed], ready: list[tuple[StageFeed, StageInput | None]]
+    ) -> None:
+        """Stage ``sid`` finished: close the input of each downstream stage that has all its
+        input now (deferred ones go to ``ready``, to be started). Checkpoints only when a
+        channel is full. Raises StageError if an input processor fails."""
+        for feed in feeds:
+            if feed.finish(sid):
+                chunk = feed.final_chunk()
+                if feed.deferred:
+                    ready.append((feed, chunk))
+                else:
+                    await feed.send_final(chunk)
+
+    async def _run_stage(
+        self,
+        req: Request,
+        sid: str,
+        inputs: trio.MemoryReceiveChannel[StageInput],
+        emit: Callable[[StageOutput], Awaitable[None]],
+        *,
+        streamed: bool,
+    ) -> bool:
+        """Run the request on stage ``sid``'s pool; whether the backend returned normally.
+        An abort through the pool aborts the request, any failure fails it. Checkpoints."""
+        try:
+            with inputs:
+                await self._pools[sid].run_request(
+                    req.request_id, inputs, req.params[sid], emit, streamed=streamed
+                )
+        except StageAborted:
+            # dropped through a direct backend/pool abort: an abort, not a failure
+            req.request_abort()
+        except Exception as exc:
+            req.fail(sid, exc)
+        else:
+            return True
+        return False
+
+    async def _run_backend(
+        self,
+        req: Request,
+        sid: str,
+        inputs: trio.MemoryReceiveChannel[StageInput],
+        outbox: OutputQueue[StageOutput],
+        streamed: bool,
+    ) -> None:
+        # Runs the request on the stage's pool. The backend's emit only puts its outputs into
+        # the stage's bounded outbox (with room it does not even yield); the stage's routing
+        # task (_route_stage: the orchestrator's code, never the backend's call stack)
+        # delivers them. The outbox ends with a completion marker only on a normal end.
+        async def emit(out: StageOutput) -> None:
+            try:
+                outbox.send_nowait(out)
+            except trio.WouldBlock:
+                await outbox.send(out)
+
+        try:
+            if await self._run_stage(req, sid, inputs, emit, streamed=streamed):
+                outbox.send_final_nowait(_COMPLETED)
+        finally:
+            outbox.close()
+
+    async def _route_stage(
+        self,
+        req: Request,
+        sid: str,
+        outbox: OutputQueue[StageOutput],
+        feeds: list[StageFeed],
+        streamed: bool,
+    ) -> None:
+        rid = req.request_id
+        status = "aborted"
+        first = True
+        completed = False
+        # Outputs nobody needs promptly (no caller gets them, no downstream stage streams
+        # them) are routed in batches: after the first one (its time is a metric), this task
+        # wakes when the outbox is full or the backend ended, not once per output.
+        batch = not streamed
+        ready: list[tuple[StageFeed, StageInput | None]] = []
+        if self.observers:
+            self.observers.emit("stage_started", rid, sid)
+        try:
+            while True:
+                # take what is queued without a scheduler trip; wait only when nothing is
+                try:
+                    out = outbox.receive_nowait()
+                except trio.WouldBlock:
+                    if batch and not first:
+                        await outbox.wait_full()
+                        continue
+                    try:
+                        out = await outbox.receive()
+                    except trio.EndOfChannel:
+                        break
+                except trio.EndOfChannel:
+                    break
+                if out is _COMPLETED:
+                    completed = True
+                    continue
+                await self._route(req, sid, out, feeds, first)
+                first = False
+            if completed and not req.lifecycle.failed:
+                if not req.lifecycle.stage_finished(sid):
+                    # the backend ended without a finished output; the caller gets one
+                    await self._route(req, sid, _STOPPED, feeds, first)
+                await self._finish_feeds(sid, feeds, ready)
+                status = "finished"
+        except OmniTrioError as exc:
+            # a routing failure (contract, input processor): cancels the request, and with
+            # it this stage's backend
+            req.fail(sid, exc)
+        finally:
+            if req.lifecycle.failed and status != "finished":
+                status = "failed"
+            if self.observers:
+                self.observers.emit("stage_finished", rid, sid, status)
+        if ready and status == "finished":
+            await self._start_ready(req, ready)
+
+    async def _route(
+        self, req: Request, sid: str, out: StageOutput, feeds: list[StageFeed], first: bool
+    ) -> None:
+        """Deliver one output of stage ``sid``: to the caller (if an output stage) and to the
+        downstream feeds. Checkpoints only when a channel is full (backpressure); the routing
+        loop that calls it checkpoints per output. Raises StageError (contract or processor
+        failures)."""
+        item = self._record(req, sid, out)
+        if self.observers:
+            self.observers.emit("stage_output", req.request_id, sid, first)
+        if sid in req.plan.outputs:
+            # the routing loop checkpoints on every output it takes from the outbox: pass
+            # this one on without another trip through the scheduler unless the window is full
+            try:
+                try:
+                    req.queue.send_nowait(item)
+                except trio.WouldBlock:
+                    await req.queue.send(item)
+            except trio.BrokenResourceError:
+                # the consumer stopped listening: that is an abort
+                req.request_abort()
+                await trio.lowlevel.checkpoint()
+        for feed in feeds:
+            chunk = feed.take(sid, out)
+            if chunk is not None:
+                await feed.send(sid, chunk)
+
+    def output(self, request_id: str, stage_id: str, out: StageOutput) -> OmniOutput:
+        """The OmniOutput a caller gets for a stage's output (built when the consumer reads
+        it). Synchronous, pure."""
+        index = self._index[stage_id]
+        return OmniOutput(
+            request_id=request_id,
+            stage_id=stage_id,
+            stage_index=index,
+            kind=self._kinds[index],
+            text=out.text,
+            token_ids=tuple(out.token_ids),
+            data=out.data,
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+            metrics=out.metrics,
+        )
