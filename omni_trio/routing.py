@@ -121,6 +121,18 @@ class StageFeed:
         collected.append(out)
         return None
 
+    def collect(self, source: str, outs: Sequence[StageOutput]) -> None:
+        """Take every output of upstream stage ``source`` at once (a feed that does not
+        stream: the chunk comes from :meth:`final_chunk`). Synchronous."""
+        assert not self._stream, "a streaming feed takes each output as it comes"
+        if self._closed:
+            return
+        collected = self._collected.get(source)
+        if collected is None:
+            self._collected[source] = list(outs)
+        else:
+            collected.extend(outs)
+
     def finish(self, source: str) -> bool:
         """Upstream ``source`` finished. True when every upstream has: then send
         :meth:`final_chunk` with :meth:`send_final`. Synchronous."""

@@ -240,10 +240,7 @@ class StageRunner:
                 if not req.lifecycle.stage_finished(sid):
                     outs.append(self._record(req, sid, _STOPPED)[1])
                 for feed in feeds:
-                    for out in outs:
-                        chunk = feed.take(sid, out)
-                        if chunk is not None:
-                            await feed.send(sid, chunk)
+                    feed.collect(sid, outs)  # none streams: this stage would be routed
                 await self._finish_feeds(sid, feeds, ready)
         except OmniTrioError as exc:
             # an input processor failed: a failure of its own (downstream) stage
