@@ -41,8 +41,8 @@ class RequestLifecycle:
     def __init__(self, request_id: str, output_stages: Iterable[str]) -> None:
         self.request_id = request_id
         self._outputs = tuple(output_stages)
-        self._finished: list[str] = []  # a handful of stages: a list is smaller than a set
-        self._errors: list[BaseException] = []
+        self._finished: tuple[str, ...] = ()  # a handful of stages: no set per request
+        self._errors: tuple[BaseException, ...] = ()  # rare: no list per request
         self._status: RequestStatus = "admitted"
         #: an abort (or the engine's close) was requested; the request may still finish
         self.abort_requested = False
@@ -62,7 +62,7 @@ class RequestLifecycle:
                 f"after its finished output"
             )
         if finished:
-            self._finished.append(stage_id)
+            self._finished = (*self._finished, stage_id)
 
     def request_abort(self) -> bool:
         """Note an abort request. False if the request had already ended (nothing to do)."""
@@ -73,7 +73,7 @@ class RequestLifecycle:
 
     def fail(self, error: BaseException) -> None:
         """Record a request-scoped error. Every error is kept, in the order they came."""
-        self._errors.append(error)
+        self._errors = (*self._errors, error)
 
     def end(self) -> RequestStatus:
         """The request task ended: decide and return its final status (once)."""
@@ -103,7 +103,7 @@ class RequestLifecycle:
 
     @property
     def errors(self) -> tuple[BaseException, ...]:
-        return tuple(self._errors)
+        return self._errors
 
     def stage_finished(self, stage_id: str) -> bool:
         return stage_id in self._finished

@@ -66,6 +66,7 @@ class Request:
     __slots__ = (
         "_convert",
         "_done",
+        "_ended",
         "_error",
         "first_input",
         "lifecycle",
@@ -94,8 +95,9 @@ class Request:
         self.queue: OutputQueue[_Item] = OutputQueue(window)
         self.scope = trio.CancelScope()
         #: every stage's outputs so far, in the order they came (``abort()`` returns them)
-        self.produced: list[StageItem] = []
-        self._done = trio.Event()
+        self.produced: list[StageItem] | None = None  # created by the first output
+        self._ended = False
+        self._done: trio.Event | None = None  # created by the first waiter
         self._error: BaseException | None = None  # set when the request ends failed
 
     @property
@@ -104,7 +106,14 @@ class Request:
 
     @property
     def ended(self) -> bool:
-        return self._done.is_set()
+        return self._ended
+
+    def _ended_event(self) -> trio.Event:
+        if self._done is None:
+            self._done = trio.Event()
+            if self._ended:
+                self._done.set()
+        return self._done
 
     # -- transitions -------------------------------------------------------------------------
     def request_abort(self) -> None:
@@ -156,20 +165,22 @@ class Request:
             for sid in self.lifecycle.abort_terminals():
                 self.queue.send_final_nowait(self.output((sid, _ABORTED)))
         self.queue.close()
-        self._done.set()
+        self._ended = True
+        if self._done is not None:
+            self._done.set()
         return status
 
     # -- waiting -----------------------------------------------------------------------------
     async def wait_ended(self) -> None:
         """Wait until the request ended (every stage dropped it). Always checkpoints."""
-        await self._done.wait()
+        await self._ended_event().wait()
 
     async def cancel_and_wait(self) -> None:
         """Abort the request (if it still runs) and wait, shielded, until every stage dropped
         it. Always checkpoints; not cancellable (bounded by the stages' abort)."""
         self.request_abort()
         with trio.CancelScope(shield=True):
-            await self._done.wait()
+            await self._ended_event().wait()
 
     async def abort(self) -> list[OmniOutput]:
         """Abort and wait; the outputs so far (``[]`` if it had ended already).
@@ -183,7 +194,7 @@ class Request:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return []
         await self.cancel_and_wait()
-        produced = [self.output(item) for item in self.produced]
+        produced = [self.output(item) for item in self.produced or ()]
         error = self._error
         if error is None:
             return produced
@@ -203,7 +214,7 @@ class Request:
             status=lc.status,
             stages=self.plan.active,
             finished_stages=tuple(s for s in self.plan.active if lc.stage_finished(s)),
-            outputs_produced=len(self.produced),
+            outputs_produced=len(self.produced or ()),
             outputs_queued=self.queue.statistics().items,
             abort_requested=lc.abort_requested,
         )
@@ -211,7 +222,7 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"<Request {self.request_id!r} {self.lifecycle.status} "
-            f"stages={list(self.plan.active)} outputs={len(self.produced)}>"
+            f"stages={list(self.plan.active)} outputs={len(self.produced or ())}>"
         )
 
 

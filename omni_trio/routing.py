@@ -64,15 +64,15 @@ class StageFeed:
         self.stage_id = stage_id
         self.request_id = request_id
         self._observers = observers
-        self._pending = list(dict.fromkeys(upstream))  # a handful: smaller than a set
+        self._pending = tuple(dict.fromkeys(upstream))  # a handful: no set per feed
         self._order = tuple(upstream)
         self._stream = stream
         self._processor = processor
         self._options = options
         self._send = send
         #: the feeds of this feed's own stage (to the stages downstream of it)
-        self.onward: list[StageFeed] = []
-        self._collected: dict[str, list[StageOutput]] = {}  # filled as outputs come
+        self.onward: Sequence[StageFeed] = ()
+        self._collected: dict[str, list[StageOutput]] | None = None  # filled as outputs come
         self._closed = False
 
     def _process(
@@ -115,6 +115,8 @@ class StageFeed:
             return None
         if self._stream:
             return self._process({source: (out,)}, final=False)
+        if self._collected is None:
+            self._collected = {}
         collected = self._collected.get(source)
         if collected is None:
             self._collected[source] = collected = []
@@ -127,6 +129,8 @@ class StageFeed:
         assert not self._stream, "a streaming feed takes each output as it comes"
         if self._closed:
             return
+        if self._collected is None:
+            self._collected = {}
         collected = self._collected.get(source)
         if collected is None:
             self._collected[source] = list(outs)
@@ -136,8 +140,7 @@ class StageFeed:
     def finish(self, source: str) -> bool:
         """Upstream ``source`` finished. True when every upstream has: then send
         :meth:`final_chunk` with :meth:`send_final`. Synchronous."""
-        if source in self._pending:
-            self._pending.remove(source)
+        self._pending = tuple(s for s in self._pending if s != source)
         return not self._pending
 
     def final_chunk(self) -> StageInput | None:
@@ -146,7 +149,7 @@ class StageFeed:
             return None
         if self._stream:
             return self._process({}, final=True)
-        collected, self._collected = self._collected, {}
+        collected, self._collected = self._collected or {}, None
         return self._process({u: collected.get(u, []) for u in self._order}, final=True)
 
     async def send(self, source: str, chunk: StageInput) -> None:

@@ -65,7 +65,7 @@ class RunningRequest:
         self.replica = replica
         self.scope = trio.CancelScope()
         #: what the backend emitted so far (``abort()`` and ``partial_outputs()`` return it)
-        self.partial: list[StageOutput] = []
+        self.partial: list[StageOutput] | None = None  # created by the first output
         #: the finished output was delivered
         self.finished = False
         self.violation: StageError | None = None
@@ -104,7 +104,10 @@ class RunningRequest:
                     request_id=self.request_id,
                 )
                 raise self.violation
-            self.partial.append(out)
+            if self.partial is None:
+                self.partial = [out]
+            else:
+                self.partial.append(out)
             await emit(out)
             # only once delivered: an emit cancelled midway did not deliver it
             self.finished = out.finished

@@ -268,7 +268,12 @@ class StagePool:
         try:
             await backend.run_request(request_id, inputs, sampling_params, emit, streamed=streamed)
         finally:
-            self._bindings.pop(request_id, None)
+            self.release(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Forget a request's binding (its run on the replica ended). Synchronous; a no-op
+        for a request that is not bound."""
+        self._bindings.pop(request_id, None)
 
     def replica_of(self, request_id: str) -> StageBackend | None:
         """The replica a request is bound to, or ``None``. Synchronous."""
