@@ -180,7 +180,10 @@ class Request:
         it. Always checkpoints; not cancellable (bounded by the stages' abort)."""
         self.request_abort()
         with trio.CancelScope(shield=True):
-            await self._ended_event().wait()
+            if self._ended:
+                await trio.lowlevel.checkpoint()  # the usual case: no event to create
+            else:
+                await self._ended_event().wait()
 
     async def abort(self) -> list[OmniOutput]:
         """Abort and wait; the outputs so far (``[]`` if it had ended already).
