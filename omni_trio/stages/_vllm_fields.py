@@ -74,12 +74,11 @@ def engine_arg_types(engine_args_cls: type) -> dict[str, Any]:
 def _vllm() -> SimpleNamespace | None:
     if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
         return None
-    # only the two modules checked here (not AsyncLLM, not trio_asyncio, whose import patches
-    # asyncio's loop policy), under the worker's lock: vllm's import cycles can deadlock two
-    # threads importing it at once
-    from ._vllm_worker import _IMPORT_LOCK
+    # only the two modules checked here (not AsyncLLM), under the workers' lock: vllm's
+    # import cycles can deadlock two threads importing it at once
+    from ._vllm_process import IMPORT_LOCK
 
-    with _IMPORT_LOCK:
+    with IMPORT_LOCK:
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.sampling_params import SamplingParams

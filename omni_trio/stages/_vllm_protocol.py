@@ -90,7 +90,7 @@ class Resume:
     request_id: str
 
 
-class _End:
+class End:
     """A request's last item when it did not finish: the worker is done with it (an abort
     was confirmed by vLLM, or it failed)."""
 
@@ -98,11 +98,11 @@ class _End:
         return "END"
 
 
-END: Final = _End()
+END: Final = End()
 
 #: what the worker sends on a replica's output bridge: every request's items of one engine
 #: step, in order (outputs, a request's failure, END)
-Batch = list[tuple[str, "StageOutput | outcome.Error | _End"]]
+Batch = list[tuple[str, "StageOutput | outcome.Error | End"]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,9 @@
 """The ``vllm`` backend: one replica = one real ``vllm.v1.engine.async_llm.AsyncLLM``.
 
-Each replica owns a worker thread that runs ``trio.run`` with a ``trio_asyncio.open_loop()``
-and hosts the AsyncLLM (see ``_vllm_worker``). The orchestrator's loop never runs vLLM code:
-requests, aborts and control calls cross into the worker through
+Each replica owns a worker thread that runs a plain asyncio loop and hosts the AsyncLLM (see
+``_vllm_worker``, which says why not trio-asyncio). The orchestrator's loop never runs vLLM
+code: requests, aborts, resumes and control calls are handed to the worker's loop
+(``EngineWorker.command``, thread-safe, never blocking); replies and events come back on
 :mod:`omni_trio.transport.bridge` channels. Outputs come back on one bridge per replica:
 everything one engine step produced, for all of its requests, crosses as one batch with at
 most one wake-up, and a demultiplexing task hands each request its items. Backpressure stays
@@ -62,7 +63,7 @@ import trio
 
 from ..errors import InvalidRequestError, ReplicaDeadError, StageError
 from ..outputs import StageOutput
-from ..transport.bridge import BridgeReceiver, BridgeSender, open_bridge
+from ..transport.bridge import BridgeReceiver, open_bridge
 from ._abc import Emit, InputStream, StageBackend, collect_input
 from ._vllm_protocol import CPU_ENGINE_DEFAULTS, END, Abort, Batch, Died, Flow, Resume, Rpc, Submit
 from ._vllm_worker import EngineWorker
@@ -91,9 +92,9 @@ class VllmBackend(StageBackend):
         super().__init__(config, stage_index=stage_index, replica=replica)
         self._thread: threading.Thread | None = None
         self._worker: EngineWorker | None = None
-        self._cmd_tx: BridgeSender[Any] | None = None
         self._evt_rx: BridgeReceiver[Any] | None = None
         self._out_rx: BridgeReceiver[Batch] | None = None
+        self._outputs_ended = False  # the worker's output bridge ended (see _demultiplex)
         # request id -> where the demultiplexer puts that request's items
         self._inboxes: dict[str, trio.MemorySendChannel[_Item]] = {}
         self._exited = trio.Event()
@@ -116,10 +117,9 @@ class VllmBackend(StageBackend):
         re-raising. Raises the worker's start-up error (BackendUnavailableError,
         ConfigError, or vLLM's own) if the engine cannot be built.
         """
-        cmd_tx, cmd_rx = open_bridge(256, name=f"{self.name}:commands")
         evt_tx, evt_rx = open_bridge(8, name=f"{self.name}:events")
         out_tx, out_rx = open_bridge[Batch](_OUTPUT_BATCHES, name=f"{self.name}:outputs")
-        self._cmd_tx, self._evt_rx, self._out_rx = cmd_tx, evt_rx, out_rx
+        self._evt_rx, self._out_rx = evt_rx, out_rx
         token = trio.lowlevel.current_trio_token()
         exited = self._exited
 
@@ -131,7 +131,6 @@ class VllmBackend(StageBackend):
             replica=self.replica,
             engine_args=dict(self.config.engine_args),
             options=msgspec.structs.asdict(self.options),
-            cmd_rx=cmd_rx,
             evt_tx=evt_tx,
             out_tx=out_tx,
             on_exit=on_exit,
@@ -170,7 +169,7 @@ class VllmBackend(StageBackend):
     async def _demultiplex(self) -> None:
         """Hand each item of the worker's per-step batches to its request (one wake-up per
         engine step for all of them). When the worker's output side ends, every request
-        still waiting is told so (its inbox closes without END)."""
+        still waiting is told so (its inbox closes without END), and so is every later one."""
         assert self._out_rx is not None
         try:
             async for batch in self._out_rx:
@@ -181,6 +180,7 @@ class VllmBackend(StageBackend):
         except anyio.BrokenResourceError:
             pass
         finally:
+            self._outputs_ended = True
             for inbox in self._inboxes.values():
                 inbox.close()
 
@@ -189,10 +189,11 @@ class VllmBackend(StageBackend):
 
         Runs shielded under the base class's shutdown deadline.
         """
-        if self._cmd_tx is not None:
-            self._cmd_tx.close()
-        if self._worker is not None and not self._ready:
-            self._worker.cancel_start()
+        if self._worker is not None:
+            if self._ready:
+                self._worker.stop()
+            else:
+                self._worker.cancel_start()
         if self._thread is None:
             return
         await self._exited.wait()
@@ -224,7 +225,7 @@ class VllmBackend(StageBackend):
     async def _run(
         self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
     ) -> None:
-        assert self._cmd_tx is not None
+        assert self._worker is not None
         prompt = await collect_input(inputs)
         flow = Flow(self._out_buffer)
         # unbounded here: the worker sends at most flow.window outputs not yet taken
@@ -233,7 +234,10 @@ class VllmBackend(StageBackend):
         final_only = not self.outputs_streamed(request_id)
         ended = finished = False
         try:
-            await self._cmd_tx.send(Submit(request_id, prompt, sampling_params, final_only, flow))
+            submit = Submit(request_id, prompt, sampling_params, final_only, flow)
+            if self._outputs_ended or not self._worker.command(submit):
+                ended = True  # nothing was submitted: nothing to abort
+                raise self._worker_gone(f"while request {request_id!r} was submitted")
             async for item in items:
                 if item is END:
                     ended = True
@@ -244,63 +248,54 @@ class VllmBackend(StageBackend):
                     item.unwrap()
                 assert isinstance(item, StageOutput)
                 if flow.took():
-                    await self._resume(request_id)
+                    # rare: this request ran out of credit; the worker goes on now
+                    self._worker.command(Resume(request_id))
                 await emit(item)
                 finished = item.finished
                 if finished:
                     return
             if not ended:
-                raise ReplicaDeadError(
-                    f"replica {self.name}: its worker stopped while request "
-                    f"{request_id!r} was running",
-                    stage_id=self.stage_id,
-                    replica=self.replica,
-                )
+                raise self._worker_gone(f"while request {request_id!r} was running")
         finally:
             if not (finished or ended):
                 await self._abort_and_drain(request_id, items)
             del self._inboxes[request_id]
             inbox.close()
 
-    async def _resume(self, request_id: str) -> None:
-        # rare (only after this request ran out of credit): tell the worker to go on
-        assert self._cmd_tx is not None
-        try:
-            self._cmd_tx.send_nowait(Resume(request_id))
-        except anyio.WouldBlock:
-            await self._cmd_tx.send(Resume(request_id))
+    def _worker_gone(self, when: str) -> ReplicaDeadError:
+        return ReplicaDeadError(
+            f"replica {self.name}: its worker stopped {when}",
+            stage_id=self.stage_id,
+            replica=self.replica,
+        )
 
     async def _abort_and_drain(
         self, request_id: str, items: trio.MemoryReceiveChannel[_Item]
     ) -> None:
-        # The worker sends END only after vLLM confirmed the abort, so reading up to it is
+        # The worker sends END only after vLLM dropped the request, so reading up to it is
         # what makes "aborted in the engine before returning" true.
+        assert self._worker is not None
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + self._abort_timeout
-            try:
-                assert self._cmd_tx is not None
-                await self._cmd_tx.send(Abort(request_id))
+            if self._worker.command(Abort(request_id)):
                 async for item in items:
                     if item is END:
                         break
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass  # the worker is gone, and its engine with it
         if scope.cancelled_caught:
             logger.warning("%s: abort of %r not confirmed in time", self.name, request_id)
 
     async def _rpc(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        assert self._cmd_tx is not None
+        assert self._worker is not None
         reply_tx, reply_rx = open_bridge(1, name=f"{self.name}:rpc:{method}")
         try:
-            await self._cmd_tx.send(Rpc(method, tuple(args), dict(kwargs), reply_tx))
+            await trio.lowlevel.checkpoint_if_cancelled()
+            sent = self._worker.command(Rpc(method, tuple(args), dict(kwargs), reply_tx))
             try:
+                if not sent:
+                    raise anyio.EndOfStream
                 reply = await reply_rx.receive()
             except (anyio.EndOfStream, anyio.BrokenResourceError):
-                raise ReplicaDeadError(
-                    f"replica {self.name}: its worker ended before answering {method!r}",
-                    stage_id=self.stage_id,
-                    replica=self.replica,
-                ) from None
+                raise self._worker_gone(f"before answering {method!r}") from None
         finally:
             reply_rx.close()
         # raises the worker's exception here; the base class names the replica and method

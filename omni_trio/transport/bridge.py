@@ -24,6 +24,10 @@ Closing either end, at any time and from any thread, wakes every task waiting on
 end. When a loop finishes while an end bound to it is still open (its owner never closed
 it), the end counts as lost: a per-loop system task notices the loop ending and breaks the
 bridge, so the peer gets ``anyio.BrokenResourceError`` instead of waiting forever.
+
+An end used from a thread that runs no trio loop (e.g. an asyncio program in a worker
+thread) stays unbound: only its non-blocking calls (``send_nowait``, ``receive_nowait``,
+``close``) work there, and its owner must close it, since no loop watcher can.
 """
 
 from __future__ import annotations
@@ -109,7 +113,11 @@ class _Core(Generic[T]):
         self.rx = _Side("receiver")
 
     def bind(self, side: _Side) -> None:
-        token = trio.lowlevel.current_trio_token()
+        token = _current_token()
+        if token is None:
+            # a thread without a trio loop (a plain asyncio worker): it can only use the
+            # non-blocking calls, nothing is ever parked there, so there is nothing to bind
+            return
         if side.token is token:
             return
         with self.lock:

@@ -8,6 +8,7 @@ and "the task is now blocked" is observed with ``wait_all_tasks_blocked`` on its
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -471,3 +472,33 @@ async def test_worker_thread_with_trio_asyncio_loop_streams_into_this_loop() -> 
             got = [item async for item in rx]
     assert got == list(range(200))
     assert_drained(rx.statistics(), 200)
+
+
+async def test_a_thread_without_a_trio_loop_sends_without_blocking_and_closes() -> None:
+    """The vLLM worker's shape: an asyncio loop in a plain thread, which can only use the
+    non-blocking calls; the trio side is woken per item and sees the end."""
+    import asyncio
+
+    tx, rx = open_bridge[int](2, name="asyncio-worker")
+    outcome: list[object] = []
+
+    def worker() -> None:
+        async def main() -> None:
+            tx.send_nowait(1)
+            tx.send_nowait(2)
+            try:
+                tx.send_nowait(3)
+            except anyio.WouldBlock:
+                outcome.append("full")
+            tx.close()
+
+        asyncio.run(main())
+
+    # the worker never blocks: it runs to its end before the trio side reads
+    thread = threading.Thread(target=worker)
+    thread.start()
+    await trio.to_thread.run_sync(thread.join)
+    got = [item async for item in rx]
+    assert got == [1, 2] and outcome == ["full"]
+    stats = rx.statistics()
+    assert stats.sender_closed and stats.items_in_flight == 0
