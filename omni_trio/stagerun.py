@@ -63,6 +63,30 @@ def _one_chunk(chunk: StageInput | None) -> trio.MemoryReceiveChannel[StageInput
     return receive
 
 
+async def _deliver(req: Request, item: tuple[str, StageOutput]) -> None:
+    """Put a recorded output into the request's queue for the consumer. Checkpoints only
+    when the window is full or the consumer left (which is an abort).
+
+    A stage's finished output never waits for the window: the lifecycle already counts the
+    stage finished, so it must reach the consumer even if the request is cancelled now (a
+    cancelled wait would leave that stage with no finished output at all). It costs at most
+    one item per output stage past the window.
+    """
+    queue = req.queue
+    try:
+        try:
+            queue.send_nowait(item)
+        except trio.WouldBlock:
+            if item[1].finished:
+                queue.send_final_nowait(item)
+            else:
+                await queue.send(item)
+    except trio.BrokenResourceError:
+        # the consumer stopped listening: that is an abort
+        req.request_abort()
+        await trio.lowlevel.checkpoint()
+
+
 class StageRunner:
     """Runs the stages of the orchestrator's requests. Owned by the
     :class:`~omni_trio.orchestrator.Orchestrator`."""
@@ -203,19 +227,9 @@ class StageRunner:
         # queue, as they are, and the consumer turns them into OmniOutputs when it reads them
         # (RequestHandle.receive): no routing task, no scheduler trip between the backend and
         # the consumer. The queue's window is the backpressure.
-        queue = req.queue
 
         async def emit(out: StageOutput) -> None:
-            item = self._record(req, sid, out)
-            try:
-                try:
-                    queue.send_nowait(item)
-                except trio.WouldBlock:
-                    await queue.send(item)
-            except trio.BrokenResourceError:
-                # the consumer stopped listening: that is an abort
-                req.request_abort()
-                await trio.lowlevel.checkpoint()
+            await _deliver(req, self._record(req, sid, out))
 
         if await self._run_stage(req, sid, inputs, emit, streamed=True):
             if not req.lifecycle.failed and not req.lifecycle.stage_finished(sid):
@@ -393,15 +407,7 @@ class StageRunner:
         if sid in req.plan.outputs:
             # the routing loop checkpoints on every output it takes from the outbox: pass
             # this one on without another trip through the scheduler unless the window is full
-            try:
-                try:
-                    req.queue.send_nowait(item)
-                except trio.WouldBlock:
-                    await req.queue.send(item)
-            except trio.BrokenResourceError:
-                # the consumer stopped listening: that is an abort
-                req.request_abort()
-                await trio.lowlevel.checkpoint()
+            await _deliver(req, item)
         for feed in feeds:
             chunk = feed.take(sid, out)
             if chunk is not None:

@@ -372,3 +372,23 @@ async def test_abort_and_abort_nowait_are_noops_during_and_after_close(autojump_
             with pytest.raises(EngineClosedError):
                 await engine.collective_rpc("echo")
     assert scripted_backends(engine, "s0")[0].aborted == ["r"]
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+async def test_a_finished_output_blocked_by_a_full_window_still_reaches_the_consumer(
+    autojump_clock: trio.testing.MockClock, stages: int
+) -> None:
+    # A consumer that reads nothing: the stage's last output meets a full window. Once the
+    # lifecycle counts the stage finished, that output must reach the consumer even if the
+    # request is aborted now (else the stage would end with no finished output at all).
+    cfg = scripted_pipeline(
+        stages, outputs=3, final_outputs=["s0"], engine_options={"output_buffer": 2}
+    )
+    async with omni_trio.open_engine(cfg) as engine:
+        async with engine.generate("x", request_id="full") as stream:
+            await trio.testing.wait_all_tasks_blocked()
+            engine.abort_nowait("full")
+            outs = [out async for out in stream]
+        assert [o.finished for o in outs if o.stage_id == "s0"][-1] is True
+        assert sum(o.finished for o in outs if o.stage_id == "s0") == 1
+        assert_nothing_in_flight(engine)
