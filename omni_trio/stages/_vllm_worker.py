@@ -34,8 +34,8 @@ import anyio
 import outcome
 
 from ..errors import ConfigError, InvalidRequestError, ReplicaDeadError, StageStartError
-from ..outputs import StageInput
 from ..transport.bridge import BridgeSender
+from ._vllm_inputs import render, sampling_params
 from ._vllm_outputs import LiveRequest, StepOutputs
 from ._vllm_process import SpawnWindow, engine_core_children, import_vllm, kill, reap
 from ._vllm_process import shutdown_engine as _shutdown
@@ -48,7 +48,6 @@ from ._vllm_protocol import (
     Resume,
     Rpc,
     Submit,
-    check_sampling_keys,
     engine_died,
     merge_engine_args,
 )
@@ -279,8 +278,8 @@ class EngineWorker:
         added = False
         try:
             try:
-                params = self._sampling_params(sub.sampling_params, sub.final_only)
-                prompt = self._render(sub.prompt)
+                params = sampling_params(v, sub.sampling_params, sub.final_only)
+                prompt = render(v, engine, sub.prompt)
             except (InvalidRequestError, v.ValidationError, ValueError, TypeError) as exc:
                 outputs.post(rid, outcome.Error(_as_invalid(exc)))
                 return
@@ -353,43 +352,6 @@ class EngineWorker:
         return await engine.collective_rpc(
             rpc.method, timeout=None, args=rpc.args, kwargs=rpc.kwargs
         )
-
-    # -- inputs -----------------------------------------------------------------------------
-    def _sampling_params(self, sp: Any, final_only: bool) -> Any:
-        v = self.v
-        assert v is not None
-        kind = v.FINAL_ONLY if final_only else v.DELTA
-        if isinstance(sp, v.SamplingParams):
-            params = sp.clone()
-            params.output_kind = kind
-            return params
-        if sp is None:
-            sp = {}
-        if not isinstance(sp, dict):
-            raise InvalidRequestError(
-                f"sampling_params must be None, a dict or a vllm SamplingParams, "
-                f"not {type(sp).__name__}"
-            )
-        check_sampling_keys(sp, v.SamplingParams.__struct_fields__)
-        return v.SamplingParams(**{**sp, "output_kind": kind})
-
-    def _render(self, chunk: StageInput) -> Any:
-        v, engine = self.v, self.engine
-        assert v is not None
-        if chunk.token_ids:
-            raw: Any = {"prompt_token_ids": list(chunk.token_ids)}
-        elif chunk.prompt is not None:
-            raw = chunk.prompt
-        elif isinstance(chunk.data, dict):
-            raw = chunk.data
-        else:
-            raise InvalidRequestError(
-                f"a vllm stage needs a text prompt, token ids or a prompt dict, got {chunk!r}"
-            )
-        parsed = v.parse_model_prompt(engine.model_config, raw)
-        renderer = engine.renderer
-        (rendered,) = renderer.render_cmpl([parsed], renderer.default_cmpl_tok_params)
-        return rendered
 
     # -- stop -------------------------------------------------------------------------------
     def _shutdown_engine(self) -> None:
