@@ -71,8 +71,8 @@ class Request:
         "first_input",
         "lifecycle",
         "params",
+        "_produced",
         "plan",
-        "produced",
         "queue",
         "scope",
     )
@@ -94,8 +94,10 @@ class Request:
         self.lifecycle.start()
         self.queue: OutputQueue[_Item] = OutputQueue(window)
         self.scope = trio.CancelScope()
-        #: every stage's outputs so far, in the order they came (``abort()`` returns them)
-        self.produced: list[StageItem] | None = None  # created by the first output
+        # every stage's outputs so far, in the order they came (``abort()`` returns them),
+        # flat: stage id, output, stage id, output... (no pair per output); created by the
+        # first one
+        self._produced: list[str | StageOutput] | None = None
         self._ended = False
         self._done: trio.Event | None = None  # created by the first waiter
         self._error: BaseException | None = None  # set when the request ends failed
@@ -149,6 +151,31 @@ class Request:
         self.lifecycle.fail(error)
         self.scope.cancel()
 
+    def keep(self, stage_id: str, out: StageOutput) -> None:
+        """Keep an output of stage ``stage_id`` for :meth:`abort`. Synchronous."""
+        produced = self._produced
+        if produced is None:
+            self._produced = [stage_id, out]
+        else:
+            produced.append(stage_id)
+            produced.append(out)
+
+    @property
+    def n_produced(self) -> int:
+        """How many outputs the stages produced so far."""
+        return len(self._produced or ()) // 2
+
+    def produced(self) -> list[OmniOutput]:
+        """Every stage's outputs so far as OmniOutputs, in the order they came. Synchronous."""
+        flat = self._produced or []
+        convert, rid = self._convert, self.lifecycle.request_id
+        out: list[OmniOutput] = []
+        for i in range(0, len(flat), 2):
+            sid, stage_out = flat[i], flat[i + 1]
+            assert isinstance(sid, str) and isinstance(stage_out, StageOutput)
+            out.append(convert(rid, sid, stage_out))
+        return out
+
     def output(self, item: StageItem) -> OmniOutput:
         """The OmniOutput a caller gets for a stage's output. Synchronous, pure."""
         return self._convert(self.lifecycle.request_id, item[0], item[1])
@@ -197,7 +224,7 @@ class Request:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return []
         await self.cancel_and_wait()
-        produced = [self.output(item) for item in self.produced or ()]
+        produced = self.produced()
         error = self._error
         if error is None:
             return produced
@@ -217,7 +244,7 @@ class Request:
             status=lc.status,
             stages=self.plan.active,
             finished_stages=tuple(s for s in self.plan.active if lc.stage_finished(s)),
-            outputs_produced=len(self.produced or ()),
+            outputs_produced=self.n_produced,
             outputs_queued=self.queue.statistics().items,
             abort_requested=lc.abort_requested,
         )
@@ -225,7 +252,7 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"<Request {self.request_id!r} {self.lifecycle.status} "
-            f"stages={list(self.plan.active)} outputs={len(self.produced or ())}>"
+            f"stages={list(self.plan.active)} outputs={self.n_produced}>"
         )
 
 

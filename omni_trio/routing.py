@@ -24,7 +24,51 @@ from .observer import ObserverSet, payload_nbytes
 from .outputs import Payload, StageInput, StageOutput
 from .stages.processors import InputProcessor
 
-__all__ = ["StageFeed"]
+__all__ = ["StageFeed", "WholeInput"]
+
+
+class WholeInput(trio.abc.ReceiveChannel[StageInput]):
+    """A stage's whole input: one chunk (or none), then the end of the channel.
+
+    What an entry stage, or a stage started once its input is complete, receives: it behaves
+    like a closed memory channel holding that chunk, without a memory channel's shared state
+    and parking lots (a few hundred bytes and microseconds less per stage a request runs).
+    """
+
+    __slots__ = ("_chunk", "_closed")
+
+    def __init__(self, chunk: StageInput | None) -> None:
+        self._chunk = chunk
+        self._closed = False
+
+    async def receive(self) -> StageInput:
+        """The chunk, then ``trio.EndOfChannel``. Checkpoints as a memory channel's receive
+        does (a cancellation point first; a schedule point when it returns the chunk).
+        Raises ``trio.ClosedResourceError`` once closed."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._closed:
+            raise trio.ClosedResourceError("this stage input was closed")
+        chunk, self._chunk = self._chunk, None
+        if chunk is None:
+            raise trio.EndOfChannel
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return chunk
+
+    def close(self) -> None:
+        """Drop the chunk; later receives raise ``trio.ClosedResourceError``. Synchronous."""
+        self._closed = True
+        self._chunk = None
+
+    async def aclose(self) -> None:
+        """:meth:`close`, then a checkpoint."""
+        self.close()
+        await trio.lowlevel.checkpoint()
+
+    def __enter__(self) -> WholeInput:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class StageFeed:

@@ -36,9 +36,9 @@ from .errors import OmniTrioError, StageError
 from .lifecycle import ContractViolation
 from .observer import ObserverSet
 from .outputs import OmniOutput, StageInput, StageOutput
-from .planning import stage_path
+from .planning import RequestPlan, StagePath, stage_path
 from .requests import Request
-from .routing import StageFeed
+from .routing import StageFeed, WholeInput
 from .stages._abc import StageAborted
 from .stages.pool import StagePool
 from .stages.processors import InputProcessor
@@ -46,21 +46,19 @@ from .transport.queue import OutputQueue
 
 __all__ = ["StageRunner"]
 
-#: one stage task of a request (a backend run or a routing loop)
-Run = Callable[[], Awaitable[None]]
+#: the deferred downstream stages a stage's end made ready, each with its whole input
+Ready = Sequence[tuple[StageFeed, StageInput | None]]
+#: one stage task of a request (a backend run or a routing loop); returns what it made ready
+Run = Callable[[], Awaitable[Ready]]
+#: a stage's input: a channel (streamed input, or every stage while observers watch) or
+#: its whole input
+Inputs = trio.MemoryReceiveChannel[StageInput] | WholeInput
+#: no deferred stage made ready
+_NONE_READY: Ready = ()
 
 _STOPPED = StageOutput(finished=True, finish_reason="stop")
 #: what a stage's outbox ends with when its backend returned normally
 _COMPLETED = StageOutput(finished=True, finish_reason="completed")
-
-
-def _one_chunk(chunk: StageInput | None) -> trio.MemoryReceiveChannel[StageInput]:
-    """A stage's whole input as a closed channel holding one chunk (none: ``None``)."""
-    send, receive = trio.open_memory_channel[StageInput](1)
-    if chunk is not None:
-        send.send_nowait(chunk)
-    send.close()
-    return receive
 
 
 async def _deliver(req: Request, item: tuple[str, StageOutput]) -> None:
@@ -104,34 +102,67 @@ class StageRunner:
         self.observers = observers
         self._index = {sid: i for i, sid in enumerate(config.stage_ids)}
         self._kinds = [st.output_type for st in config.stages]
+        # per route: each active stage's path and whether its outputs are streamed (they
+        # depend on the plan and the config only); RoutePlanner keeps a bounded set of plans
+        self._layouts: dict[RequestPlan, dict[str, tuple[StagePath, bool]]] = {}
+
+    def _layout(self, plan: RequestPlan) -> dict[str, tuple[StagePath, bool]]:
+        """Each active stage's path without observers and its ``streamed`` flag (see
+        :meth:`_stage_tasks`), computed once per plan. Synchronous."""
+        layout = self._layouts.get(plan)
+        if layout is not None:
+            return layout
+        layout = {}
+        for sid in plan.active:
+            down = [st for st in self.config.stages if st.id in plan.active and sid in st.inputs]
+            output = sid in plan.outputs
+            streamed = output or any(st.stream_input for st in down)
+            path = stage_path(output=output, feeds=len(down), streamed=streamed, observed=False)
+            layout[sid] = (path, streamed)
+        if len(self._layouts) < 256:
+            self._layouts[plan] = layout
+        return layout
 
     async def run(self, req: Request, feeds: list[StageFeed]) -> None:
         """Run every active stage of ``req`` until each ended; the feeds between them are
         appended to ``feeds`` (the caller closes them). Checkpoints; call it inside the
         request's cancel scope. Failures fail the request, they are not raised."""
-        await self._run_all(req, self._request_runs(req, feeds))
+        await self._drive(req, self._request_runs(req, feeds))
 
-    async def _run_all(self, req: Request, runs: list[Run]) -> None:
-        # the last run in this task (a single run needs no nursery), the others in a nursery
-        if len(runs) == 1:
-            await runs[0]()
-            return
-        async with trio.open_nursery() as nursery:
-            for run in runs[:-1]:
-                nursery.start_soon(run, name=req.request_id)  # no name to derive
-            await runs[-1]()
+    async def _drive(self, req: Request, runs: Sequence[Run]) -> None:
+        """Run ``runs``, then the deferred stages each one made ready: a single run in this
+        task (a loop, not a call chain: a finished stage's frame is gone before the next one
+        runs), several in a nursery, each driven by its own task. Checkpoints."""
+        while len(runs) == 1:
+            runs = self._ready_runs(req, await runs[0]())
+        if runs:
+            async with trio.open_nursery() as nursery:
+                for run in runs[:-1]:
+                    nursery.start_soon(self._drive, req, (run,), name=req.request_id)
+                await self._drive(req, runs[-1:])
+
+    def _ready_runs(self, req: Request, ready: Ready) -> list[Run]:
+        """What runs for the deferred stages whose input just became complete, each with its
+        final chunk as its whole input. Synchronous."""
+        if not ready:
+            return []
+        return [
+            run
+            for feed, chunk in ready
+            for run in self._stage_tasks(req, feed.stage_id, WholeInput(chunk), feed.onward)
+        ]
 
     def _request_runs(self, req: Request, feeds: list[StageFeed]) -> list[Run]:
         """Build every active stage's feed (appended to ``feeds``; deferred ones, without a
         channel, unless observers watch) and return what runs at once. Synchronous."""
         plan = req.plan
         defer = not self.observers
-        inputs: dict[str, trio.MemoryReceiveChannel[StageInput]] = {}
+        inputs: dict[str, Inputs] = {}
         feeds_of: dict[str, list[StageFeed]] = {sid: [] for sid in plan.active}
         for sid in plan.active:
             st = self.config.stage(sid)
             if not st.inputs:
-                inputs[sid] = _one_chunk(req.first_input)
+                inputs[sid] = WholeInput(req.first_input)
                 continue
             send: trio.MemorySendChannel[StageInput] | None = None
             if not (defer and not st.stream_input):
@@ -159,37 +190,15 @@ class StageRunner:
             for run in self._stage_tasks(req, sid, inputs[sid], onward[sid])
         ]
 
-    async def _start_ready(
-        self, req: Request, ready: list[tuple[StageFeed, StageInput | None]]
-    ) -> None:
-        """Start the deferred stages whose input just became complete, each with its final
-        chunk as its whole input; one of them in this task. Checkpoints (it runs them)."""
-        await self._run_all(
-            req,
-            [
-                run
-                for feed, chunk in ready
-                for run in self._stage_tasks(req, feed.stage_id, _one_chunk(chunk), feed.onward)
-            ],
-        )
-
     def _stage_tasks(
-        self,
-        req: Request,
-        sid: str,
-        inputs: trio.MemoryReceiveChannel[StageInput],
-        feeds: Sequence[StageFeed],
+        self, req: Request, sid: str, inputs: Inputs, feeds: Sequence[StageFeed]
     ) -> list[Run]:
         """What runs for stage ``sid`` of a request: one or two tasks (see ``stage_path``).
         ``streamed``: a caller or a ``stream_input`` stage needs the outputs as they come
         (else the backend may send its finished output only)."""
-        streamed = sid in req.plan.outputs or any(f.streams for f in feeds)
-        path = stage_path(
-            output=sid in req.plan.outputs,
-            feeds=len(feeds),
-            streamed=streamed,
-            observed=bool(self.observers),
-        )
+        path, streamed = self._layout(req.plan)[sid]
+        if self.observers:
+            path = "routed"
         if path == "pulled":
             return [partial(self._run_pulled, req, sid, inputs)]
         if path == "collected":
@@ -213,16 +222,10 @@ class StageRunner:
                 stage_id=sid,
                 request_id=req.request_id,
             ) from None
-        item = (sid, out)
-        if req.produced is None:
-            req.produced = [item]
-        else:
-            req.produced.append(item)
-        return item
+        req.keep(sid, out)
+        return (sid, out)
 
-    async def _run_pulled(
-        self, req: Request, sid: str, inputs: trio.MemoryReceiveChannel[StageInput]
-    ) -> None:
+    async def _run_pulled(self, req: Request, sid: str, inputs: Inputs) -> Ready:
         # An output stage that feeds no other stage: its outputs go into the request's own
         # queue, as they are, and the consumer turns them into OmniOutputs when it reads them
         # (RequestHandle.receive): no routing task, no scheduler trip between the backend and
@@ -235,14 +238,15 @@ class StageRunner:
             if not req.lifecycle.failed and not req.lifecycle.stage_finished(sid):
                 # the backend ended without a finished output; the caller gets one
                 await emit(_STOPPED)
+        return _NONE_READY
 
     async def _run_collected(
         self,
         req: Request,
         sid: str,
-        inputs: trio.MemoryReceiveChannel[StageInput],
+        inputs: Inputs,
         feeds: Sequence[StageFeed],
-    ) -> None:
+    ) -> Ready:
         # A stage whose outputs nobody needs as they come (no caller, no streaming downstream
         # stage): the backend's outputs are kept, and routed here once it returned (out of
         # its call stack), straight to the downstream stages' input: no routing task.
@@ -252,7 +256,7 @@ class StageRunner:
             outs.append(self._record(req, sid, out)[1])
 
         if not await self._run_stage(req, sid, inputs, emit, streamed=False):
-            return
+            return _NONE_READY
         ready: list[tuple[StageFeed, StageInput | None]] = []
         try:
             if not req.lifecycle.failed:
@@ -264,9 +268,8 @@ class StageRunner:
         except OmniTrioError as exc:
             # an input processor failed: a failure of its own (downstream) stage
             req.fail(sid, exc)
-            return
-        if ready:
-            await self._start_ready(req, ready)
+            return _NONE_READY
+        return ready
 
     @staticmethod
     async def _finish_feeds(
@@ -287,7 +290,7 @@ class StageRunner:
         self,
         req: Request,
         sid: str,
-        inputs: trio.MemoryReceiveChannel[StageInput],
+        inputs: Inputs,
         emit: Callable[[StageOutput], Awaitable[None]],
         *,
         streamed: bool,
@@ -317,10 +320,10 @@ class StageRunner:
         self,
         req: Request,
         sid: str,
-        inputs: trio.MemoryReceiveChannel[StageInput],
+        inputs: Inputs,
         outbox: OutputQueue[StageOutput],
         streamed: bool,
-    ) -> None:
+    ) -> Ready:
         # Runs the request on the stage's pool. The backend's emit only puts its outputs into
         # the stage's bounded outbox (with room it does not even yield); the stage's routing
         # task (_route_stage: the orchestrator's code, never the backend's call stack)
@@ -336,6 +339,7 @@ class StageRunner:
                 outbox.send_final_nowait(_COMPLETED)
         finally:
             outbox.close()
+        return _NONE_READY
 
     async def _route_stage(
         self,
@@ -344,7 +348,7 @@ class StageRunner:
         outbox: OutputQueue[StageOutput],
         feeds: Sequence[StageFeed],
         streamed: bool,
-    ) -> None:
+    ) -> Ready:
         rid = req.request_id
         status = "aborted"
         first = True
@@ -391,8 +395,7 @@ class StageRunner:
                 status = "failed"
             if self.observers:
                 self.observers.emit("stage_finished", rid, sid, status)
-        if ready and status == "finished":
-            await self._start_ready(req, ready)
+        return ready if status == "finished" else _NONE_READY
 
     async def _route(
         self, req: Request, sid: str, out: StageOutput, feeds: Sequence[StageFeed], first: bool

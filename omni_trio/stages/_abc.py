@@ -71,7 +71,8 @@ class StageAborted(OmniTrioError):
 
 
 Emit = Callable[[StageOutput], Awaitable[None]]
-InputStream = trio.MemoryReceiveChannel[StageInput]
+#: a stage's input chunks (a memory channel, or the orchestrator's one-chunk WholeInput)
+InputStream = trio.abc.ReceiveChannel[StageInput]
 
 
 async def collect_input(inputs: InputStream) -> StageInput:
@@ -346,6 +347,9 @@ class StageBackend(abc.ABC):
     def _end_request(
         self, request_id: str, running: RunningRequest, error: Exception | None
     ) -> None:
+        if error is None and running.finished and running.violation is None:
+            self._n_finished += 1  # the usual end, decided without the general rule
+            return
         outcome = request_outcome(
             violated=running.violation is not None,
             failed=error is not None,

@@ -66,10 +66,7 @@ def token_handoff(
     ``include_text`` (bool: also hand the upstream text on as ``prompt``, for stages that
     take text, default false).
     """
-    opts = dict(options or {})
-    mapping = opts.get("mapping")
-    if mapping is not None:
-        mapping = {int(k): int(v) for k, v in mapping.items()}
+    opts = options or {}
     tokens: list[int] = []
     texts: list[str] = []
     datas: list[Any] = []
@@ -82,12 +79,16 @@ def token_handoff(
                 texts.append(out.text)
             if out.data is not None:
                 datas.append(out.data)
-    mapped = map_tokens(
-        tokens,
-        offset=int(opts.get("offset", 0)),
-        mapping=mapping,
-        vocab_size=opts.get("vocab_size"),
-    )
+    if "mapping" not in opts and "offset" not in opts and "vocab_size" not in opts:
+        mapped = tuple(tokens)  # nothing to map (the usual case): no work per token
+    else:
+        mapping = opts.get("mapping")
+        mapped = map_tokens(
+            tokens,
+            offset=int(opts.get("offset", 0)),
+            mapping=None if mapping is None else {int(k): int(v) for k, v in mapping.items()},
+            vocab_size=opts.get("vocab_size"),
+        )
     if not mapped and not datas and not final and not texts:
         return None
     data: Any = None if not datas else datas[0] if len(datas) == 1 else datas

@@ -26,7 +26,8 @@ config is loaded. A stage's stop is bounded by the stage key ``shutdown_timeout`
 What flows where: a request's input token ids ``T`` are the entry prompt's UTF-8 bytes (text
 prompts) or the token ids it was given. Output ``k`` carries ``token_ids == (T[k % len(T)] +
 token_offset,)`` and ``text == f"{stage_id}:{token} "``. So a chain of scripted stages adds
-``token_offset`` per hop, and a test can tell which stage's output reached which stage. With
+``token_offset`` per hop, and a test can tell which stage's output reached which stage. The
+finished output carries ``metrics == {"output_index": k}``; the others carry none. With
 ``stream_input: true`` output ``k`` is produced as soon as input token ``k`` has arrived.
 
 ``received[request_id]`` records the input chunks a request brought, ``aborted`` the ids that
@@ -214,7 +215,8 @@ class ScriptedBackend(StageBackend):
                         text=f"{self.stage_id}:{token} ",
                         finished=last,
                         finish_reason="length" if last else None,
-                        metrics={"output_index": k},
+                        # metrics once per request, on its finished output (as vllm's)
+                        metrics={"output_index": k} if last else None,
                     )
                 )
             self.completed.append(request_id)

@@ -22,6 +22,13 @@ def test_token_handoff_concatenates_in_input_order():
     assert res.final and res.prompt is None and res.source == "a,b"
     res = token_handoff({"a": [out(1)]}, final=True, options={"offset": 5, "mapping": {"1": 2}})
     assert res.token_ids == (7,)
+    # each mapping option on its own still applies (only their absence skips the mapping)
+    assert token_handoff({"a": [out(3)]}, final=True, options={"offset": 2}).token_ids == (5,)
+    assert token_handoff({"a": [out(7)]}, final=True, options={"vocab_size": 5}).token_ids == (2,)
+    res = token_handoff({"a": [out(1, 4)]}, final=True, options={"mapping": {1: 8}})
+    assert res.token_ids == (8, 4)
+    with pytest.raises(ValueError):
+        token_handoff({"a": [out(1)]}, final=True, options={"offset": "x"})
 
 
 def test_token_handoff_streaming_and_empty_deltas():

@@ -45,6 +45,8 @@ async def test_outputs_latency_and_records(autojump_clock):
         assert trio.current_time() - t0 == pytest.approx(6.0)
         assert [o.token_ids for o in outs] == [(101,), (102,), (101,)]
         assert outs[-1].finished and outs[-1].finish_reason == "length"
+        # metrics once per request, on the finished output only
+        assert [o.metrics for o in outs] == [None, None, {"output_index": 2}]
         assert b.received["r"][0].token_ids == (1, 2)
         assert b.completed == ["r"]
         outs = await run(b, "r2", StageInput(token_ids=(1,)), params={"max_tokens": 1})
