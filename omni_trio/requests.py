@@ -12,6 +12,7 @@ stage dropped it" is written once, :meth:`Request.cancel_and_wait`.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -206,11 +207,15 @@ class Request:
         """Abort the request (if it still runs) and wait, shielded, until every stage dropped
         it. Always checkpoints; not cancellable (bounded by the stages' abort)."""
         self.request_abort()
+        if self._ended and trio.current_effective_deadline() != -math.inf:
+            # the usual case, an ended request and a caller not cancelled: a cancellation
+            # point that cannot raise, then a schedule point that cannot be cancelled, without
+            # a shielded scope (three times cheaper)
+            await trio.lowlevel.checkpoint_if_cancelled()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
         with trio.CancelScope(shield=True):
-            if self._ended:
-                await trio.lowlevel.checkpoint()  # the usual case: no event to create
-            else:
-                await self._ended_event().wait()
+            await self._ended_event().wait()
 
     async def abort(self) -> list[OmniOutput]:
         """Abort and wait; the outputs so far (``[]`` if it had ended already).

@@ -100,27 +100,28 @@ class StageRunner:
         self._pools = pools
         self._processors = processors
         self.observers = observers
-        self._index = {sid: i for i, sid in enumerate(config.stage_ids)}
-        self._kinds = [st.output_type for st in config.stages]
+        # stage id -> (index, output type), what each OmniOutput of the stage carries
+        self._kinds = {st.id: (i, st.output_type) for i, st in enumerate(config.stages)}
         # per route: each active stage's path and whether its outputs are streamed (they
         # depend on the plan and the config only); RoutePlanner keeps a bounded set of plans
-        self._layouts: dict[RequestPlan, dict[str, tuple[StagePath, bool]]] = {}
+        # (by the plan's id, checked against the plan itself: no hash of the plan per stage)
+        self._layouts: dict[int, tuple[RequestPlan, dict[str, tuple[StagePath, bool]]]] = {}
 
     def _layout(self, plan: RequestPlan) -> dict[str, tuple[StagePath, bool]]:
         """Each active stage's path without observers and its ``streamed`` flag (see
         :meth:`_stage_tasks`), computed once per plan. Synchronous."""
-        layout = self._layouts.get(plan)
-        if layout is not None:
-            return layout
-        layout = {}
+        known = self._layouts.get(id(plan))
+        if known is not None and known[0] is plan:
+            return known[1]
+        layout: dict[str, tuple[StagePath, bool]] = {}
         for sid in plan.active:
             down = [st for st in self.config.stages if st.id in plan.active and sid in st.inputs]
             output = sid in plan.outputs
             streamed = output or any(st.stream_input for st in down)
             path = stage_path(output=output, feeds=len(down), streamed=streamed, observed=False)
             layout[sid] = (path, streamed)
-        if len(self._layouts) < 256:
-            self._layouts[plan] = layout
+        if len(self._layouts) < 256 or known is not None:
+            self._layouts[id(plan)] = (plan, layout)
         return layout
 
     async def run(self, req: Request, feeds: list[StageFeed]) -> None:
@@ -231,8 +232,14 @@ class StageRunner:
         # (RequestHandle.receive): no routing task, no scheduler trip between the backend and
         # the consumer. The queue's window is the backpressure.
 
+        queue = req.queue
+
         async def emit(out: StageOutput) -> None:
-            await _deliver(req, self._record(req, sid, out))
+            item = self._record(req, sid, out)
+            try:
+                queue.send_nowait(item)  # the usual case, room in the window: no coroutine
+            except (trio.WouldBlock, trio.BrokenResourceError):
+                await _deliver(req, item)
 
         if await self._run_stage(req, sid, inputs, emit, streamed=True):
             if not req.lifecycle.failed and not req.lifecycle.stage_finished(sid):
@@ -419,12 +426,12 @@ class StageRunner:
     def output(self, request_id: str, stage_id: str, out: StageOutput) -> OmniOutput:
         """The OmniOutput a caller gets for a stage's output (built when the consumer reads
         it). Synchronous, pure."""
-        index = self._index[stage_id]
+        index, kind = self._kinds[stage_id]
         return OmniOutput(
             request_id=request_id,
             stage_id=stage_id,
             stage_index=index,
-            kind=self._kinds[index],
+            kind=kind,
             text=out.text,
             token_ids=tuple(out.token_ids),
             data=out.data,

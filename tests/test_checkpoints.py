@@ -69,6 +69,23 @@ async def test_stream_methods_always_checkpoint(autojump_clock):
         assert_nothing_in_flight(engine)
 
 
+async def test_leaving_an_ended_request_checkpoints_and_is_not_cancellable(autojump_clock):
+    # __aexit__ on an ended request: a checkpoint, and a cancelled caller still leaves cleanly
+    async with omni_trio.open_engine(scripted_pipeline(1, outputs=2)) as engine:
+        for cancelled in (False, True):
+            stream = engine.generate("x")
+            await stream.__aenter__()
+            await stream.collect()
+            with trio.CancelScope() as scope:
+                if cancelled:
+                    scope.cancel()
+                with assert_checkpoints():
+                    await stream.__aexit__(None, None, None)
+            assert not scope.cancelled_caught
+            assert stream.status == "finished"
+        assert_nothing_in_flight(engine)
+
+
 async def test_refused_admission_checkpoints_and_leaves_nothing(autojump_clock):
     cfg = scripted_pipeline(1, hang=True, engine_options={"max_requests_in_flight": 1})
     async with omni_trio.open_engine(cfg) as engine:

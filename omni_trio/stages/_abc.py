@@ -186,7 +186,8 @@ class StageBackend(abc.ABC):
     @property
     def alive(self) -> bool:
         """Whether the replica takes requests and RPCs (``state == "ready"``)."""
-        return self.state == "ready"
+        # state's rule, read directly: checked for every request a replica takes
+        return self._ready and not self._stopped and self._death is None
 
     @property
     def name(self) -> str:

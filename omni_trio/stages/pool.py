@@ -240,13 +240,23 @@ class StagePool:
     def bind(self, request_id: str) -> StageBackend:
         """Bind a request to a live replica. Synchronous. Raises NoLiveReplicaError."""
         # choose_replica's rule, without a statistics snapshot of every replica per request
+        replicas = self.replicas
+        backend: StageBackend | None = None
+        if len(replicas) == 1:
+            if replicas[0].alive:
+                backend = replicas[0]  # the usual single replica: nothing to compare
+        else:
+            backend = self._least_loaded()
+        if backend is None:
+            raise no_live_replica(self.stage_id, request_id)
+        self._bindings[request_id] = backend
+        return backend
+
+    def _least_loaded(self) -> StageBackend | None:
         backend: StageBackend | None = None
         for r in self.replicas:
             if r.alive and (backend is None or r.requests_in_flight < backend.requests_in_flight):
                 backend = r
-        if backend is None:
-            raise no_live_replica(self.stage_id, request_id)
-        self._bindings[request_id] = backend
         return backend
 
     async def run_request(
