@@ -184,7 +184,12 @@ class StageFeed:
     def finish(self, source: str) -> bool:
         """Upstream ``source`` finished. True when every upstream has: then send
         :meth:`final_chunk` with :meth:`send_final`. Synchronous."""
-        self._pending = tuple(s for s in self._pending if s != source)
+        pending = self._pending
+        if len(pending) == 1:  # one upstream (the usual case): no generator
+            if pending[0] == source:
+                self._pending = ()
+        else:
+            self._pending = tuple(s for s in pending if s != source)
         return not self._pending
 
     def final_chunk(self) -> StageInput | None:

@@ -100,6 +100,7 @@ class StageRunner:
         self._pools = pools
         self._processors = processors
         self.observers = observers
+        self._stages = {st.id: st for st in config.stages}
         # stage id -> (index, output type), what each OmniOutput of the stage carries
         self._kinds = {st.id: (i, st.output_type) for i, st in enumerate(config.stages)}
         # per route: each active stage's path and whether its outputs are streamed (they
@@ -161,7 +162,7 @@ class StageRunner:
         inputs: dict[str, Inputs] = {}
         feeds_of: dict[str, list[StageFeed]] = {sid: [] for sid in plan.active}
         for sid in plan.active:
-            st = self.config.stage(sid)
+            st = self._stages[sid]
             if not st.inputs:
                 inputs[sid] = WholeInput(req.first_input)
                 continue
@@ -271,7 +272,8 @@ class StageRunner:
                     outs.append(self._record(req, sid, _STOPPED)[1])
                 for feed in feeds:
                     feed.collect(sid, outs)  # none streams: this stage would be routed
-                await self._finish_feeds(sid, feeds, ready)
+                for feed, chunk in self._finish_feeds(sid, feeds, ready):
+                    await feed.send_final(chunk)
         except OmniTrioError as exc:
             # an input processor failed: a failure of its own (downstream) stage
             req.fail(sid, exc)
@@ -279,19 +281,18 @@ class StageRunner:
         return ready
 
     @staticmethod
-    async def _finish_feeds(
+    def _finish_feeds(
         sid: str, feeds: Sequence[StageFeed], ready: list[tuple[StageFeed, StageInput | None]]
-    ) -> None:
-        """Stage ``sid`` finished: close the input of each downstream stage that has all its
-        input now (deferred ones go to ``ready``, to be started). Checkpoints only when a
-        channel is full. Raises StageError if an input processor fails."""
+    ) -> list[tuple[StageFeed, StageInput | None]]:
+        """Stage ``sid`` finished: the final chunk of each downstream stage that has all its
+        input now. Deferred ones go to ``ready`` (to be started); the others are returned,
+        for the caller to send with ``send_final``. Synchronous. Raises StageError if an
+        input processor fails."""
+        to_send: list[tuple[StageFeed, StageInput | None]] = []
         for feed in feeds:
             if feed.finish(sid):
-                chunk = feed.final_chunk()
-                if feed.deferred:
-                    ready.append((feed, chunk))
-                else:
-                    await feed.send_final(chunk)
+                (ready if feed.deferred else to_send).append((feed, feed.final_chunk()))
+        return to_send
 
     async def _run_stage(
         self,
@@ -391,7 +392,8 @@ class StageRunner:
                 if not req.lifecycle.stage_finished(sid):
                     # the backend ended without a finished output; the caller gets one
                     await self._route(req, sid, _STOPPED, feeds, first)
-                await self._finish_feeds(sid, feeds, ready)
+                for feed, chunk in self._finish_feeds(sid, feeds, ready):
+                    await feed.send_final(chunk)
                 status = "finished"
         except OmniTrioError as exc:
             # a routing failure (contract, input processor): cancels the request, and with
