@@ -396,6 +396,7 @@ def omni_config(n_stages: int, layout: str, tokens: int, requests: int) -> dict[
 
 def run_omni(a: argparse.Namespace) -> dict[str, Any]:
     import trio
+    import vllm.v1.engine.async_llm  # noqa: F401 (imported before the clock starts, as in run_hand)
 
     import omni_trio
 

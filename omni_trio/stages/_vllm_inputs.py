@@ -14,13 +14,22 @@ from ..errors import InvalidRequestError
 from ..outputs import StageInput
 from ._vllm_protocol import check_sampling_keys
 
+# dict params -> the SamplingParams built for them (per process; vLLM copies the params it is
+# given, which "may be shared across prompts, requests and even engines"): building and
+# verifying one costs more than the rest of a request's input handling
+_BUILT: dict[tuple[object, ...], Any] = {}
+_BUILT_MAX = 256
+
 
 def sampling_params(v: SimpleNamespace, sp: Any, final_only: bool) -> Any:
     """A vLLM ``SamplingParams`` for one request: ``None`` or a dict (keys checked), or a
-    ``SamplingParams`` (copied); its output kind DELTA, or FINAL_ONLY when nobody streams
-    the outputs. Raises InvalidRequestError for a bad key or type; vLLM raises for values."""
+    ``SamplingParams``; its output kind DELTA, or FINAL_ONLY when nobody streams the
+    outputs. The result may be shared with other requests (vLLM copies it). Raises
+    InvalidRequestError for a bad key or type; vLLM raises for bad values."""
     kind = v.FINAL_ONLY if final_only else v.DELTA
     if isinstance(sp, v.SamplingParams):
+        if sp.output_kind == kind:
+            return sp
         params = sp.clone()
         params.output_kind = kind
         return params
@@ -31,8 +40,27 @@ def sampling_params(v: SimpleNamespace, sp: Any, final_only: bool) -> Any:
             f"sampling_params must be None, a dict or a vllm SamplingParams, "
             f"not {type(sp).__name__}"
         )
+    key = _key(sp, final_only)
+    built = _BUILT.get(key) if key is not None else None
+    if built is not None:
+        return built
     check_sampling_keys(sp, v.SamplingParams.__struct_fields__)
-    return v.SamplingParams(**{**sp, "output_kind": kind})
+    built = v.SamplingParams(**{**sp, "output_kind": kind})
+    if key is not None:
+        if len(_BUILT) >= _BUILT_MAX:
+            _BUILT.clear()
+        _BUILT[key] = built
+    return built
+
+
+def _key(sp: dict[str, Any], final_only: bool) -> tuple[object, ...] | None:
+    """A hashable key for dict params, or None when a value is not hashable (a list)."""
+    key = (final_only, *sorted(sp.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def render(v: SimpleNamespace, engine: Any, chunk: StageInput) -> Any:

@@ -89,6 +89,9 @@ class EngineWorker:
         # a loop may be created in one thread and run in another
         self._loop = asyncio.SelectorEventLoop()
         self._wake = asyncio.Event()  # set (on the loop) when a stop is requested
+        self._inbox_lock = threading.Lock()
+        self._inbox: list[Command] = []  # commands not yet taken by the loop
+        self._inbox_scheduled = False
         self._tasks: dict[str, asyncio.Task[None]] = {}  # request id -> its task
         self._rpcs: set[asyncio.Task[None]] = set()
         self._outputs: StepOutputs | None = None
@@ -108,12 +111,30 @@ class EngineWorker:
 
     def command(self, cmd: Command) -> bool:
         """Hand ``cmd`` to the worker's loop; ``False`` if the worker has ended (its loop is
-        closed). Thread-safe, never blocks."""
+        closed). Thread-safe, never blocks.
+
+        Commands queue here and the loop takes them all at once: a burst (64 submits, the
+        aborts of a closing engine) costs one wake-up of the worker, not one each.
+        """
+        with self._inbox_lock:
+            self._inbox.append(cmd)
+            if self._inbox_scheduled:
+                return True
+            self._inbox_scheduled = True
         try:
-            self._loop.call_soon_threadsafe(self._command, cmd)
-        except RuntimeError:
+            self._loop.call_soon_threadsafe(self._take_commands)
+        except RuntimeError:  # the loop is closed: so will every later command find it
+            with self._inbox_lock:
+                self._inbox_scheduled = False
             return False
         return True
+
+    def _take_commands(self) -> None:
+        with self._inbox_lock:
+            commands, self._inbox = self._inbox, []
+            self._inbox_scheduled = False
+        for cmd in commands:
+            self._command(cmd)
 
     def stop(self) -> None:
         """Ask the worker to stop: a start in progress is abandoned (its half-built

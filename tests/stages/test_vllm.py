@@ -26,6 +26,7 @@ from omni_trio.errors import InvalidRequestError, ReplicaDeadError
 from omni_trio.outputs import StageInput, StageOutput
 from omni_trio.stages._abc import StageAborted
 from omni_trio.stages.vllm import THREAD_PREFIX, VllmBackend
+from omni_trio.testing import cancel_at_every_checkpoint
 
 pytestmark = pytest.mark.vllm
 
@@ -356,6 +357,22 @@ async def test_open_engine_one_and_two_stage_pipelines_match_hand_driven() -> No
             unfinished = await engine.collective_rpc("get_num_unfinished_requests")
             assert unfinished == [0, 0]
             assert engine.statistics().stage_requests_in_flight == 0
+
+            # a consumer cancelled at each of its checkpoints (while its request is being
+            # submitted to a worker, aborted before the worker ran it, streaming, or being
+            # left) leaves nothing behind in either engine
+            short = {**GREEDY, "max_tokens": 4}
+
+            async def consumer(engine: omni_trio.Engine) -> None:
+                params = {"thinker": short, "talker": short}
+                async with engine.generate(PROMPTS[1], sampling_params=params) as stream:
+                    async for _out in stream:
+                        pass
+
+            report = await cancel_at_every_checkpoint(engine, consumer)
+            report.raise_if_failed()
+            assert report.runs == report.checkpoints + 1 >= 6
+            assert await engine.collective_rpc("get_num_unfinished_requests") == [0, 0]
     assert leftover_engine_processes() == []
     assert our_threads() == []
     for i in range(len(PROMPTS)):
