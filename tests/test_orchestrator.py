@@ -339,4 +339,3 @@ async def test_repr_shows_live_state(autojump_clock):
             assert "'r' running" in repr(engine.orchestrator.request_info("r"))
         assert "in_flight=0" in repr(engine)
     _ = scripted_tokens
-
