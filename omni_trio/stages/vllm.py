@@ -178,6 +178,8 @@ class VllmBackend(StageBackend):
                     if inbox is not None:
                         inbox.send_nowait(item)
         except anyio.BrokenResourceError:
+            # the worker's thread ended without closing its end: the same as its end, every
+            # waiting request fails below (ReplicaDeadError in _run), nothing is dropped
             pass
         finally:
             self._outputs_ended = True

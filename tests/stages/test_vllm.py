@@ -101,8 +101,12 @@ async def run(
 
     async def emit(o: StageOutput) -> None:
         outs.append(o)
-        if slow:  # a consumer slower than the engine: the request runs out of credit
-            await trio.sleep(0.05)
+        if slow and len(outs) == 1:
+            # a consumer slower than the engine: it takes its first output only once a
+            # second, same-length request started after it has finished, i.e. once the
+            # engine has generated all of this one; meanwhile it runs out of credit and the
+            # rest waits (merged) in vLLM's collector, whatever the machine's speed
+            await run(backend, f"{rid}-companion", chunk, sp)
 
     sp = sp if sp is not None else GREEDY
     await backend.run_request(rid, one_chunk(chunk), sp, emit, streamed=streamed)
