@@ -38,7 +38,9 @@ Metrics: TypeAlias = Mapping[str, Payload]
 Prompt: TypeAlias = str | Sequence[int] | Mapping[str, Payload]
 
 #: a replica's life: starting -> ready -> dead (failed after or during start) | stopped
-ReplicaState = Literal["starting", "ready", "dead", "stopped"]
+#: a replica's life: ``starting`` -> ``ready`` -> (``draining`` while removed) -> ``stopped``;
+#: ``dead`` when it failed, ``restarting`` while a replacement (same index) is on its way
+ReplicaState = Literal["starting", "ready", "draining", "dead", "restarting", "stopped"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,12 @@ class ReplicaStatistics:
     requests_aborted: int
     requests_failed: int
     state: ReplicaState = "ready"
+    #: times this replica index was replaced after dying (``restart: on-failure``)
+    restarts: int = 0
+    #: times this replica index died (after readiness, or a replacement failing to start)
+    failures: int = 0
+    #: ``"ExcType: message"`` of its last death, or None
+    last_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +133,9 @@ class StageStatistics:
     requests_in_flight: int
     live_replicas: int
     replicas: tuple[ReplicaStatistics, ...] = ()
+    #: requests waiting for a replica (a slot under ``max_in_flight_per_replica``, or a
+    #: restarting replica)
+    requests_waiting: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +150,11 @@ class EngineStatistics:
     requests_total: int
     closed: bool
     stages: tuple[StageStatistics, ...] = field(default_factory=tuple)
+    #: admissions waiting for room under ``max_requests_in_flight`` (``admission: wait``), or
+    #: for ``resume()`` while paused; not yet in ``requests_in_flight``
+    requests_waiting: int = 0
+    #: admission is paused (``engine.pause()``)
+    paused: bool = False
 
     @property
     def stage_requests_in_flight(self) -> int:
