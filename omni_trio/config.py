@@ -69,6 +69,12 @@ _LEGACY_KEYS = {
     "stage_configs": "list the stages under `stages:` in the pipeline config",
 }
 _TIMEOUT = Annotated[float, Meta(gt=0)]
+#: how a stage's pool picks the replica a request is bound to (:mod:`omni_trio.stages.balancing`)
+LbPolicy = Literal["least_loaded", "round_robin", "random"]
+#: what a request gets when ``max_requests_in_flight`` is reached
+Admission = Literal["wait", "reject"]
+#: whether a dead replica is replaced
+RestartPolicy = Literal["never", "on-failure"]
 
 
 def _doc(text: str, **extra: Value) -> Meta:
@@ -128,6 +134,43 @@ class StageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _TIMEOUT | None,
         _doc("seconds each replica may take to stop (default: the pipeline's)"),
     ] = None
+    lb_policy: Annotated[
+        LbPolicy | None,
+        _doc(
+            "least_loaded | round_robin | random: which replica takes a request "
+            "(default: the pipeline's lb_policy)"
+        ),
+    ] = None
+    max_in_flight_per_replica: Annotated[
+        Annotated[int, Meta(ge=1, le=MAX_SLOTS)] | None,
+        _doc(
+            "requests one replica runs at once; more wait first-in first-out for a slot "
+            "(default: no limit)"
+        ),
+    ] = None
+    restart: Annotated[RestartPolicy, _doc("never | on-failure: replace a replica that died")] = (
+        "never"
+    )
+    max_restarts: Annotated[
+        int, _doc("restarts allowed per replica index (restart: on-failure)", ge=0)
+    ] = 3
+    restart_backoff_s: Annotated[
+        Annotated[float, Meta(ge=0)],
+        _doc(
+            "seconds before the first restart; doubled per restart of the same index, "
+            "capped at restart_backoff_max_s"
+        ),
+    ] = 1.0
+    restart_backoff_max_s: Annotated[
+        Annotated[float, Meta(ge=0)], _doc("cap on the restart backoff")
+    ] = 30.0
+    replica_wait_timeout_s: Annotated[
+        Annotated[float, Meta(ge=0)],
+        _doc(
+            "seconds a request waits for a restarting (or starting) replica when none is "
+            "ready, before failing with NoLiveReplicaError"
+        ),
+    ] = 10.0
 
 
 class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True):
@@ -150,6 +193,24 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, d
     max_requests_in_flight: Annotated[
         int, _doc("admission limit: requests running at once", ge=1, le=MAX_SLOTS)
     ] = 4096
+    admission: Annotated[
+        Admission,
+        _doc(
+            "at max_requests_in_flight: wait (first-in first-out) or reject "
+            "(EngineOverloadedError at once)"
+        ),
+    ] = "wait"
+    max_waiting: Annotated[
+        Annotated[int, Meta(ge=0, le=MAX_SLOTS)] | None,
+        _doc(
+            "admissions that may wait (admission: wait); beyond it EngineOverloadedError "
+            "(default: no bound)"
+        ),
+    ] = None
+    lb_policy: Annotated[LbPolicy, _doc("the default lb_policy of every stage")] = "least_loaded"
+    lb_seed: Annotated[int | None, _doc("seed of the random lb_policy (reproducible choices)")] = (
+        None
+    )
     output_buffer: Annotated[
         int,
         _doc(
