@@ -44,6 +44,7 @@ from .errors import (
     StageError,
 )
 from .failures import single_leaf
+from .health import HealthReport, assess_health
 from .observer import EngineObserver
 from .orchestrator import Orchestrator
 from .outputs import EngineStatistics, OmniOutput, Payload, Prompt, SamplingParams
@@ -357,6 +358,15 @@ class Engine:
             closed=self.closed,
             stages=self.stages.statistics(),
         )
+
+    def check_health(self) -> HealthReport:
+        """A frozen :class:`~omni_trio.health.HealthReport` of this session: per stage, its
+        ready (live) and member replicas and its waiting requests; per replica, its state,
+        requests in flight, failures, restarts and last error; ``status`` ``ok``,
+        ``degraded``, ``unhealthy`` (naming every stage with no ready replica) or ``closed``.
+        Synchronous: never blocks, never checkpoints, raises nothing; valid in every state of
+        the session (before it opens every replica is ``starting``)."""
+        return assess_health(self.statistics())
 
     def __repr__(self) -> str:
         stages = repr(self.stages)
