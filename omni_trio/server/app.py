@@ -25,6 +25,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..audio import concat_audio, sample_rate_of, wav_bytes
+from ..health import HealthReport, assess_health
+from ..outputs import EngineStatistics
 from .guard import DEFAULT_MAX_BODY_BYTES, RequestGuard, request_id_of
 from .lifecycle import ServerLifecycle, ServerPhase
 from .metrics import CONTENT_TYPE, EngineMetrics
@@ -47,7 +49,7 @@ from .protocol import (
 )
 from .responses import Computed, EngineJSONResponse, EventStreamResponse, error_for
 
-__all__ = ["create_app", "health_report", "json_response"]
+__all__ = ["create_app", "health_body", "health_report", "json_response"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,31 +63,62 @@ def json_response(
     )
 
 
+def health_body(report: HealthReport) -> dict[str, Any]:
+    """The JSON of a health report: engine counters and, by stage id, the stage's ready
+    (``live_replicas``) and member (``total_replicas``) replicas, its requests waiting and in
+    flight, and per replica its state, requests in flight, failures, restarts and last
+    error. Pure."""
+    return {
+        "requests_in_flight": report.requests_in_flight,
+        "requests_waiting": report.requests_waiting,
+        "paused": report.paused,
+        "stages": {
+            st.stage_id: {
+                "live_replicas": st.live_replicas,
+                "total_replicas": st.total_replicas,
+                "requests_waiting": st.requests_waiting,
+                "requests_in_flight": st.requests_in_flight,
+                "replicas": [
+                    {
+                        "replica": r.replica,
+                        "state": r.state,
+                        "requests_in_flight": r.requests_in_flight,
+                        "failures": r.failures,
+                        "restarts": r.restarts,
+                        "last_error": r.last_error,
+                    }
+                    for r in st.replicas
+                ],
+            }
+            for st in report.stages
+        },
+    }
+
+
 def health_report(
-    stats: Any, phase: ServerPhase = ServerPhase.SERVING
+    health: HealthReport | EngineStatistics, phase: ServerPhase = ServerPhase.SERVING
 ) -> tuple[int, dict[str, Any]]:
-    """``(200, ...)`` when the server serves, every stage has a live replica and the engine
-    is open; else ``(503, ...)`` with ``status`` ``starting`` (the stages are starting),
-    ``stopping`` (shutdown), ``closed`` or ``unhealthy`` (naming the stages without a live
-    replica). Pure (takes EngineStatistics and the server's phase)."""
-    dead = [st.stage_id for st in stats.stages if st.live_replicas == 0]
-    stages = {st.stage_id: {"live_replicas": st.live_replicas} for st in stats.stages}
+    """``(200, ...)`` when the server serves, the engine is open and every stage has a ready
+    replica (``status`` ``ok``, or ``degraded`` when some replica is not ready); else
+    ``(503, ...)`` with ``status`` ``starting`` (the stages are starting), ``stopping``
+    (shutdown), ``closed`` or ``unhealthy`` (``dead_stages`` and the message name every
+    stage with no ready replica, and the message its replicas' states and last errors).
+    Every body has ``status``, ``message`` and :func:`health_body`'s keys. Pure: takes the
+    engine's :class:`~omni_trio.health.HealthReport` (or the statistics it derives from) and
+    the server's phase."""
+    report = health if isinstance(health, HealthReport) else assess_health(health)
+    body = health_body(report)
     if phase is ServerPhase.STARTING:
         message = "the pipeline's stages are starting; completions answer 503 until ready"
-        return 503, {"status": "starting", "message": message, "stages": stages}
+        return 503, {"status": "starting", "message": message, **body}
     if phase is not ServerPhase.SERVING:
         message = "the server is shutting down and takes no new requests"
-        return 503, {"status": "stopping", "message": message, "stages": stages}
-    if stats.closed:
-        return 503, {"status": "closed", "message": "the engine is closed", "stages": stages}
-    if dead:
-        return 503, {
-            "status": "unhealthy",
-            "message": f"stage(s) {', '.join(dead)} have no live replica",
-            "dead_stages": dead,
-            "stages": stages,
-        }
-    return 200, {"status": "ok", "stages": stages}
+        return 503, {"status": "stopping", "message": message, **body}
+    if report.status == "unhealthy":
+        dead = list(report.unhealthy_stages)
+        return 503, {"status": "unhealthy", "message": report.message, "dead_stages": dead, **body}
+    status = 200 if report.healthy else 503
+    return status, {"status": report.status, "message": report.message, **body}
 
 
 def _prompt_tokens(metrics: Any) -> int:
@@ -278,7 +311,7 @@ class _Handlers:
         return json_response({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
-        status, body = health_report(self.engine.statistics(), self.lifecycle.phase)
+        status, body = health_report(self.engine.check_health(), self.lifecycle.phase)
         return json_response(body, status)
 
     async def prometheus(self, request: Request) -> Response:

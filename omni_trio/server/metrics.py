@@ -16,19 +16,31 @@ Metric names (all prefixed ``omni_trio_``)::
     stage_queue_wait_seconds{stage}                histogram, stage start -> its first output
     transfers_total{source,target} / transfer_bytes_total{source,target}   counters
     stage_requests_in_flight{stage} / stage_live_replicas{stage}           gauges
-    replica_healthy{stage,replica}                 gauge, 1 alive / 0 dead
+    stage_requests_waiting{stage}                  gauge, requests waiting for a replica
+    replica_healthy{stage,replica}                 gauge, 1 ready / 0 not
+    replica_state{stage,replica,state}             gauge, 1 for the current state, 0 others
+    replica_requests_in_flight{stage,replica}      gauge
+    replica_restarts_total{stage,replica} / replica_failures_total{stage,replica}   counters
+    admission_waiting                              gauge, admissions waiting for room
+    engine_paused                                  gauge, 1 while admission is paused
+
+The stage and replica gauges come from the engine's health report
+(:func:`~omni_trio.health.assess_health` of the same snapshot), so ``/metrics`` and
+``/health`` agree: a live replica is a ``ready`` one (a draining replica is not).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..health import assess_health
 from ..observer import EngineObserver
+from ..outputs import EngineStatistics, ReplicaState
 
 __all__ = ["CONTENT_TYPE", "EngineMetrics"]
 
@@ -36,6 +48,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # CPU inference is slow: buckets reach minutes, not only the library's 10 s default.
 _BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# every replica state, each one sample of the enum gauge replica_state
+_REPLICA_STATES: tuple[ReplicaState, ...] = get_args(ReplicaState)
 
 
 class _StateCollector(Collector):
@@ -60,23 +74,51 @@ class _StateCollector(Collector):
         yield CounterMetricFamily(
             "omni_trio_requests", "Requests admitted.", value=stats.requests_total
         )
-        inflight = g(
-            "omni_trio_stage_requests_in_flight", "Requests bound to a stage.", labels=["stage"]
+        yield g(
+            "omni_trio_admission_waiting",
+            "Admissions waiting for room (max_requests_in_flight) or for resume().",
+            value=stats.requests_waiting,
         )
-        live = g("omni_trio_stage_live_replicas", "Live replicas of a stage.", labels=["stage"])
-        health = g(
-            "omni_trio_replica_healthy",
-            "1 if the replica is alive, else 0.",
-            labels=["stage", "replica"],
+        yield g(
+            "omni_trio_engine_paused",
+            "1 while admission is paused.",
+            value=1 if stats.paused else 0,
         )
-        for st in stats.stages:
-            inflight.add_metric([st.stage_id], st.requests_in_flight)
-            live.add_metric([st.stage_id], st.live_replicas)
-            for r in st.replicas:
-                health.add_metric([st.stage_id, str(r.replica)], 1 if r.alive else 0)
-        yield inflight
-        yield live
-        yield health
+        yield from _stage_metrics(stats)
+
+
+def _stage_metrics(stats: EngineStatistics) -> Iterator[Metric]:
+    """The per-stage and per-replica families of one statistics snapshot, read through its
+    health report."""
+    g, c = GaugeMetricFamily, CounterMetricFamily
+    stage, replica = ["stage"], ["stage", "replica"]
+    inflight = g("omni_trio_stage_requests_in_flight", "Requests bound to a stage.", labels=stage)
+    waiting = g("omni_trio_stage_requests_waiting", "Requests waiting for a replica.", labels=stage)
+    live = g("omni_trio_stage_live_replicas", "Ready replicas of a stage.", labels=stage)
+    health = g("omni_trio_replica_healthy", "1 if the replica is ready, else 0.", labels=replica)
+    state = g(
+        "omni_trio_replica_state",
+        "1 for the replica's current state, 0 for the others.",
+        labels=[*replica, "state"],
+    )
+    r_inflight = g(
+        "omni_trio_replica_requests_in_flight", "Requests bound to a replica.", labels=replica
+    )
+    restarts = c("omni_trio_replica_restarts", "Times a replica was replaced.", labels=replica)
+    failures = c("omni_trio_replica_failures", "Times a replica died.", labels=replica)
+    for st in assess_health(stats).stages:
+        inflight.add_metric([st.stage_id], st.requests_in_flight)
+        waiting.add_metric([st.stage_id], st.requests_waiting)
+        live.add_metric([st.stage_id], st.live_replicas)
+        for r in st.replicas:
+            labels = [st.stage_id, str(r.replica)]
+            health.add_metric(labels, 1 if r.live else 0)
+            for name in _REPLICA_STATES:
+                state.add_metric([*labels, name], 1 if r.state == name else 0)
+            r_inflight.add_metric(labels, r.requests_in_flight)
+            restarts.add_metric(labels, r.restarts)
+            failures.add_metric(labels, r.failures)
+    yield from (inflight, waiting, live, health, state, r_inflight, restarts, failures)
 
 
 class EngineMetrics(EngineObserver):
