@@ -1,0 +1,257 @@
+"""Engine health: the pure ``assess_health`` over constructed statistics, then
+``Engine.check_health()`` on scripted pipelines under the MockClock."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import get_args
+
+import pytest
+
+import omni_trio
+from omni_trio.health import HealthReport, assess_health
+from omni_trio.outputs import (
+    EngineStatistics,
+    ReplicaState,
+    ReplicaStatistics,
+    StageStatistics,
+)
+from omni_trio.testing import scripted_pipeline
+
+ALL_STATES: tuple[ReplicaState, ...] = get_args(ReplicaState)
+
+
+def replica(
+    index: int,
+    state: ReplicaState,
+    *,
+    requests_in_flight: int = 0,
+    failures: int = 0,
+    restarts: int = 0,
+    last_error: str | None = None,
+) -> ReplicaStatistics:
+    return ReplicaStatistics(
+        replica=index,
+        alive=state == "ready",
+        requests_in_flight=requests_in_flight,
+        requests_finished=0,
+        requests_aborted=0,
+        requests_failed=0,
+        state=state,
+        restarts=restarts,
+        failures=failures,
+        last_error=last_error,
+    )
+
+
+def stage(
+    stage_id: str, *replicas: ReplicaStatistics, requests_waiting: int = 0
+) -> StageStatistics:
+    return StageStatistics(
+        stage_id=stage_id,
+        stage_index=0,
+        backend="scripted",
+        requests_in_flight=sum(r.requests_in_flight for r in replicas),
+        live_replicas=sum(r.alive for r in replicas),
+        replicas=replicas,
+        requests_waiting=requests_waiting,
+    )
+
+
+def engine_stats(
+    *stages: StageStatistics,
+    closed: bool = False,
+    requests_in_flight: int = 0,
+    requests_waiting: int = 0,
+    paused: bool = False,
+) -> EngineStatistics:
+    return EngineStatistics(
+        requests_in_flight=requests_in_flight,
+        requests_finished=0,
+        requests_aborted=0,
+        requests_failed=0,
+        requests_total=0,
+        closed=closed,
+        stages=stages,
+        requests_waiting=requests_waiting,
+        paused=paused,
+    )
+
+
+# -- the pure rules ----------------------------------------------------------------------------
+@pytest.mark.parametrize("state", ALL_STATES)
+def test_only_a_ready_replica_is_live_and_only_a_stopped_one_is_no_member(state):
+    report = assess_health(engine_stats(stage("a", replica(0, state))))
+    a = report.stage("a")
+    assert a.replicas[0].state == state
+    assert a.replicas[0].live is (state == "ready")
+    assert a.live_replicas == (1 if state == "ready" else 0)
+    assert a.total_replicas == (0 if state == "stopped" else 1)
+    assert a.healthy is (state == "ready")
+    assert report.healthy is (state == "ready")
+    assert report.status == ("ok" if state == "ready" else "unhealthy")
+    assert report.unhealthy_stages == (() if state == "ready" else ("a",))
+
+
+@pytest.mark.parametrize("other", [s for s in ALL_STATES if s not in ("ready", "stopped")])
+def test_a_stage_with_one_ready_replica_is_healthy_but_degraded(other):
+    report = assess_health(engine_stats(stage("a", replica(0, other), replica(1, "ready"))))
+    a = report.stage("a")
+    assert (a.live_replicas, a.total_replicas) == (1, 2)
+    assert a.healthy and a.degraded
+    assert report.status == "degraded" and report.healthy
+    assert report.unhealthy_stages == ()
+    assert f"a[0] {other}" in report.message
+
+
+def test_a_removed_replica_does_not_degrade_its_stage():
+    report = assess_health(engine_stats(stage("a", replica(0, "stopped"), replica(1, "ready"))))
+    assert report.status == "ok" and report.healthy
+    assert (report.stage("a").live_replicas, report.stage("a").total_replicas) == (1, 1)
+    assert len(report.stage("a").replicas) == 2  # still listed, with its state
+
+
+def test_a_draining_replica_serves_its_requests_but_is_not_live():
+    draining = replica(0, "draining", requests_in_flight=3)
+    report = assess_health(engine_stats(stage("a", replica(0, "ready")), stage("b", draining)))
+    b = report.stage("b")
+    assert b.live_replicas == 0 and b.total_replicas == 1
+    assert b.requests_in_flight == 3 and b.replicas[0].requests_in_flight == 3
+    assert not b.healthy
+    assert report.status == "unhealthy" and not report.healthy
+    assert report.unhealthy_stages == ("b",)
+    assert report.message == "stage(s) b have no ready replica: b[0] draining"
+
+
+def test_every_unhealthy_stage_is_named_in_pipeline_order_with_its_replicas_errors():
+    report = assess_health(
+        engine_stats(
+            stage("thinker", replica(0, "dead", failures=1, last_error="StageError: boom")),
+            stage("talker", replica(0, "ready")),
+            stage("code2wav", replica(0, "restarting", failures=2, restarts=1)),
+        )
+    )
+    assert report.unhealthy_stages == ("thinker", "code2wav")
+    assert report.status == "unhealthy"
+    assert report.message == (
+        "stage(s) thinker, code2wav have no ready replica: "
+        "thinker[0] dead (StageError: boom); code2wav[0] restarting"
+    )
+    dead = report.stage("thinker").replicas[0]
+    assert (dead.failures, dead.restarts, dead.last_error) == (1, 0, "StageError: boom")
+    back = report.stage("code2wav").replicas[0]
+    assert (back.failures, back.restarts, back.last_error) == (2, 1, None)
+
+
+def test_a_stage_without_any_replica_is_unhealthy():
+    report = assess_health(engine_stats(stage("a")))
+    assert report.unhealthy_stages == ("a",)
+    assert report.message == "stage(s) a have no ready replica"
+
+
+def test_closed_comes_first_and_is_not_healthy():
+    report = assess_health(engine_stats(stage("a", replica(0, "stopped")), closed=True))
+    assert report.status == "closed" and report.closed and not report.healthy
+    assert report.message == "the engine is closed"
+
+
+def test_counters_are_carried_and_a_pause_is_reported_not_unhealthy():
+    report = assess_health(
+        engine_stats(
+            stage("a", replica(0, "ready", requests_in_flight=2), requests_waiting=4),
+            requests_in_flight=2,
+            requests_waiting=7,
+            paused=True,
+        )
+    )
+    assert report.status == "ok" and report.healthy
+    assert (report.requests_in_flight, report.requests_waiting, report.paused) == (2, 7, True)
+    assert report.stage("a").requests_waiting == 4
+    assert report.stage("a").requests_in_flight == 2
+
+
+def test_the_report_is_frozen_and_an_unknown_stage_is_a_key_error():
+    report = assess_health(engine_stats(stage("a", replica(0, "ready"))))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.status = "unhealthy"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.stage("a").replicas[0].state = "dead"  # type: ignore[misc]
+    with pytest.raises(KeyError, match="nope"):
+        report.stage("nope")
+
+
+# -- Engine.check_health ----------------------------------------------------------------------
+async def test_check_health_before_during_and_after_the_session(autojump_clock):
+    engine = omni_trio.open_engine(scripted_pipeline(["a", "b"], outputs=4, latency_s=1.0))
+    before = engine.check_health()
+    assert before.status == "unhealthy" and before.unhealthy_stages == ("a", "b")
+    assert {r.state for s in before.stages for r in s.replicas} == {"starting"}
+    async with engine:
+        report = engine.check_health()
+        assert isinstance(report, HealthReport)
+        assert report.status == "ok" and report.healthy
+        assert [(s.stage_id, s.live_replicas, s.total_replicas) for s in report.stages] == [
+            ("a", 1, 1),
+            ("b", 1, 1),
+        ]
+        async with engine.generate("x") as stream:
+            await stream.receive()  # b's first output: the request is bound to b's replica
+            during = engine.check_health()
+            assert during.requests_in_flight == 1
+            assert during.stage("b").requests_in_flight == 1
+            assert during.stage("b").replicas[0].requests_in_flight == 1
+        idle = engine.check_health()
+        assert idle.requests_in_flight == 0
+        assert idle.stage("b").replicas[0].requests_in_flight == 0
+    after = engine.check_health()
+    assert after.status == "closed" and after.closed and not after.healthy
+
+
+async def test_a_crashed_replica_shows_dead_and_only_its_stage_is_named(autojump_clock):
+    cfg = scripted_pipeline(
+        ["thinker", "talker"], outputs=2, stage_options={"talker": {"crash_at_request": 1}}
+    )
+    async with omni_trio.open_engine(cfg) as engine:
+        with pytest.raises(omni_trio.ReplicaDeadError):
+            async with engine.generate("x") as stream:
+                await stream.collect()
+        report = engine.check_health()
+        assert report.status == "unhealthy" and not report.healthy
+        assert report.unhealthy_stages == ("talker",)
+        assert "talker[0] dead" in report.message and "thinker" not in report.message
+        talker = report.stage("talker")
+        assert (talker.live_replicas, talker.total_replicas) == (0, 1)
+        assert talker.replicas[0].state == "dead" and not talker.replicas[0].live
+        assert report.stage("thinker").replicas[0].state == "ready"
+        # the failure history is the pool's statistics, passed through unchanged
+        (dead,) = engine.statistics().stage("talker").replicas
+        got = talker.replicas[0]
+        assert (got.failures, got.restarts, got.last_error) == (
+            dead.failures,
+            dead.restarts,
+            dead.last_error,
+        )
+        assert report.requests_in_flight == 0 and talker.requests_in_flight == 0
+
+
+async def test_one_dead_replica_of_two_degrades_the_stage_and_the_other_serves(autojump_clock):
+    cfg = scripted_pipeline(
+        ["a", "b"],
+        outputs=2,
+        replicas={"b": 2},
+        stage_options={"b": {"crash_at_request": 1, "crash_replica": 0}},
+    )
+    async with omni_trio.open_engine(cfg) as engine:
+        with pytest.raises(omni_trio.ReplicaDeadError):
+            async with engine.generate("x") as stream:
+                await stream.collect()
+        report = engine.check_health()
+        assert report.status == "degraded" and report.healthy
+        b = report.stage("b")
+        assert (b.live_replicas, b.total_replicas) == (1, 2)
+        assert [r.state for r in b.replicas] == ["dead", "ready"]
+        assert report.message.startswith("every stage has a ready replica; not ready: b[0] dead")
+        async with engine.generate("y") as stream:
+            outs = await stream.collect()
+        assert outs[-1].finished and not outs[-1].aborted
+        assert engine.check_health().status == "degraded"
