@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 import msgspec
+import msgspec.inspect
 import yaml
 
 from .errors import ConfigError
@@ -268,9 +269,15 @@ def check_tree(data: Value, source: str) -> None:
             )
 
 
+# `.name`, `[index]` or a dict's `[...]` in a msgspec path
+_PATH_STEP = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
+
+
 def _value_at(data: Value, path: str) -> Value:
     """The value at a msgspec path suffix like ``.a[2].b`` inside ``data`` (or Ellipsis)."""
-    for name, index in re.findall(r"\.([^.\[]+)|\[(\d+)\]", path):
+    for name, index in _PATH_STEP.findall(path):
+        if index == "...":  # msgspec does not say which key of a dict
+            return ...
         try:
             data = data[name] if name else data[int(index)]
         except (KeyError, IndexError, TypeError):
@@ -278,9 +285,50 @@ def _value_at(data: Value, path: str) -> Value:
     return data
 
 
-def explain_validation_error(exc: msgspec.ValidationError, data: Value) -> tuple[str, str]:
+def _types_at(info: msgspec.inspect.Type, name: str, index: str) -> list[msgspec.inspect.Type]:
+    """The types one path step (``.name`` or ``[index]``) leads to from ``info``."""
+    if isinstance(info, msgspec.inspect.Metadata):
+        return _types_at(info.type, name, index)
+    if isinstance(info, msgspec.inspect.UnionType):
+        return [t for member in info.types for t in _types_at(member, name, index)]
+    if isinstance(info, (msgspec.inspect.DictType, msgspec.inspect.FrozenDictType)):
+        return [info.value_type]
+    if name:
+        fields = getattr(info, "fields", ())  # structs, dataclasses, typed dicts
+        return [f.type for f in fields if f.encode_name == name]
+    if isinstance(info, msgspec.inspect.TupleType) and index.isdigit():
+        return list(info.item_types[int(index) : int(index) + 1])
+    item = getattr(info, "item_type", None)  # lists, sets, variadic tuples
+    return [] if item is None else [item]
+
+
+def _allowed_values(schema: type, path: str) -> list[Value]:
+    """The values of the Literal or Enum types that ``schema`` has at msgspec path ``path``
+    (``.stages[0].lb_policy``), in msgspec's (sorted) order; empty when it has none there."""
+    types = [msgspec.inspect.type_info(schema)]
+    for name, index in _PATH_STEP.findall(path):
+        types = [t for info in types for t in _types_at(info, name, index)]
+    values: list[Value] = []
+    while types:
+        info = types.pop(0)
+        if isinstance(info, msgspec.inspect.Metadata):
+            types.insert(0, info.type)
+        elif isinstance(info, msgspec.inspect.UnionType):
+            types[:0] = info.types
+        elif isinstance(info, msgspec.inspect.LiteralType):
+            values.extend(info.values)
+        elif isinstance(info, msgspec.inspect.EnumType):
+            values.extend(member.value for member in info.cls)
+    return values
+
+
+def explain_validation_error(
+    exc: msgspec.ValidationError, data: Value, schema: type | None = None
+) -> tuple[str, str]:
     """msgspec's message split into (reason, ``$``-path), the reason ending with the value
-    found there (``Expected `int` >= 1, got 0``). Pure."""
+    found there (``Expected `int` >= 1, got 0``). With ``schema`` (the type ``data`` was
+    converted to), a bad enum or Literal value is explained with the values allowed there
+    (``Expected one of 'a', 'b', got str 'c'``). Pure."""
     message = str(exc)
     m = re.search(r" - at `(\$[^`]*)`$", message)
     reason, path = (message[: m.start()], m.group(1)) if m else (message, "$")
@@ -288,6 +336,12 @@ def explain_validation_error(exc: msgspec.ValidationError, data: Value) -> tuple
     if unknown:
         return reason, f"{path}.{unknown.group(1)}"
     value = _value_at(data, path[1:])
+    if schema is not None and reason.startswith("Invalid enum value "):
+        allowed = ", ".join(repr(v) for v in _allowed_values(schema, path[1:]))
+        if allowed and value is not ...:  # the value is added below
+            reason = f"Expected one of {allowed}"
+        elif allowed:  # msgspec's reason names the value the path does not lead to
+            reason = f"{reason}; expected one of {allowed}"
     if value is not ... and not isinstance(value, (Mapping, list)):
         reason = with_value(reason, value)
     return reason, path

@@ -385,7 +385,7 @@ def load_config(
     try:
         cfg = msgspec.convert(data, PipelineConfig)
     except msgspec.ValidationError as exc:
-        reason, where = explain_validation_error(exc, data)
+        reason, where = explain_validation_error(exc, data, PipelineConfig)
         hint = _BOUND_HINTS.get(where.rpartition(".")[2], "")
         raise ConfigError(reason + hint, path=where, source=source) from None
     cfg.source = source

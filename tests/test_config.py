@@ -242,6 +242,63 @@ def test_unknown_and_ill_typed_options(tmp_path):
     assert ">= 0.0" in msg
 
 
+def test_bad_enum_value_lists_the_allowed_ones(tmp_path):
+    msg = stage_error(tmp_path, "    lb_policy: rr\n", "$.stages[0].lb_policy")
+    assert msg.endswith(
+        ": Expected one of 'least_loaded', 'random', 'round_robin', got str 'rr'"
+    ), msg
+    path = write(tmp_path, "p.yaml", one_stage_yaml().replace("name: t", "admission: queue"))
+    msg = config_error(path, "$.admission")
+    assert msg.endswith(": Expected one of 'reject', 'wait', got str 'queue'"), msg
+
+
+def test_explain_validation_error_finds_enums_through_containers():
+    import enum
+    from typing import Literal
+
+    import msgspec
+
+    from omni_trio._config_read import explain_validation_error
+
+    class Color(enum.Enum):
+        RED = "red"
+        BLUE = "blue"
+
+    class Inner(msgspec.Struct):
+        mode: Literal["a", "b"] | None = None
+
+    class Outer(msgspec.Struct):
+        inners: list[Inner] = []
+        by_name: dict[str, Literal[1, 2]] = {}
+        pair: tuple[int, Color] = (0, Color.RED)
+
+    def explain(data):
+        with pytest.raises(msgspec.ValidationError) as info:
+            msgspec.convert(data, Outer)
+        return explain_validation_error(info.value, data, Outer)
+
+    assert explain({"inners": [{}, {"mode": "c"}]}) == (
+        "Expected one of 'a', 'b', got str 'c'",
+        "$.inners[1].mode",
+    )
+    # msgspec does not name the dict key: its reason keeps the value
+    assert explain({"by_name": {"x": 3}}) == (
+        "Invalid enum value 3; expected one of 1, 2",
+        "$.by_name[...]",
+    )
+    assert explain({"pair": [0, "green"]}) == (
+        "Expected one of 'red', 'blue', got str 'green'",
+        "$.pair[1]",
+    )
+    # without the schema, msgspec's own reason (with the value) as before
+    with pytest.raises(msgspec.ValidationError) as info:
+        msgspec.convert({"pair": [0, "green"]}, Outer)
+    assert explain_validation_error(info.value, {"pair": [0, "green"]}) == (
+        "Invalid enum value 'green', got str 'green'",
+        "$.pair[1]",
+    )
+
+
 def test_shutdown_timeout_is_a_stage_key(tmp_path):
     where = "$.stages[0].options.shutdown_timeout"
     assert "stage key" in stage_error(tmp_path, "    options: {shutdown_timeout: 5}\n", where)
