@@ -42,7 +42,7 @@ from ..health import assess_health
 from ..observer import EngineObserver
 from ..outputs import EngineStatistics, ReplicaState
 
-__all__ = ["CONTENT_TYPE", "EngineMetrics"]
+__all__ = ["CONTENT_TYPE", "EngineMetrics", "state_metrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -59,32 +59,37 @@ class _StateCollector(Collector):
         self._m = metrics
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._m.engine.statistics()
-        waiting = min(self._m.waiting, stats.requests_in_flight)
-        g = GaugeMetricFamily
-        running = stats.requests_in_flight - waiting
-        yield g("omni_trio_requests_running", "Requests producing output.", value=running)
-        yield g("omni_trio_requests_waiting", "Requests with no output yet.", value=waiting)
-        for name, value, doc in (
-            ("finished", stats.requests_finished, "Requests that finished."),
-            ("aborted", stats.requests_aborted, "Requests aborted (client or engine)."),
-            ("failed", stats.requests_failed, "Requests failed by a stage error."),
-        ):
-            yield CounterMetricFamily(f"omni_trio_requests_{name}", doc, value=value)
-        yield CounterMetricFamily(
-            "omni_trio_requests", "Requests admitted.", value=stats.requests_total
-        )
-        yield g(
-            "omni_trio_admission_waiting",
-            "Admissions waiting for room (max_requests_in_flight) or for resume().",
-            value=stats.requests_waiting,
-        )
-        yield g(
-            "omni_trio_engine_paused",
-            "1 while admission is paused.",
-            value=1 if stats.paused else 0,
-        )
-        yield from _stage_metrics(stats)
+        yield from state_metrics(self._m.engine.statistics(), self._m.waiting)
+
+
+def state_metrics(stats: EngineStatistics, without_output: int) -> Iterator[Metric]:
+    """Every state metric of one statistics snapshot; ``without_output`` counts the requests
+    that produced no output yet (the observer's count: statistics do not know it). Pure."""
+    waiting = min(without_output, stats.requests_in_flight)
+    g = GaugeMetricFamily
+    running = stats.requests_in_flight - waiting
+    yield g("omni_trio_requests_running", "Requests producing output.", value=running)
+    yield g("omni_trio_requests_waiting", "Requests with no output yet.", value=waiting)
+    for name, value, doc in (
+        ("finished", stats.requests_finished, "Requests that finished."),
+        ("aborted", stats.requests_aborted, "Requests aborted (client or engine)."),
+        ("failed", stats.requests_failed, "Requests failed by a stage error."),
+    ):
+        yield CounterMetricFamily(f"omni_trio_requests_{name}", doc, value=value)
+    yield CounterMetricFamily(
+        "omni_trio_requests", "Requests admitted.", value=stats.requests_total
+    )
+    yield g(
+        "omni_trio_admission_waiting",
+        "Admissions waiting for room (max_requests_in_flight) or for resume().",
+        value=stats.requests_waiting,
+    )
+    yield g(
+        "omni_trio_engine_paused",
+        "1 while admission is paused.",
+        value=1 if stats.paused else 0,
+    )
+    yield from _stage_metrics(stats)
 
 
 def _stage_metrics(stats: EngineStatistics) -> Iterator[Metric]:
