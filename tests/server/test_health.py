@@ -75,6 +75,8 @@ async def test_a_stage_whose_only_replica_crashed_makes_health_503_naming_it():
             got = {s: state[replica_key(stage, 0, state=s)] for s in STATES}
             assert got == {s: 1.0 if s == current else 0.0 for s in STATES}, stage
         assert len(state) == 2 * len(STATES)  # one sample per state per replica, no more
+        healthy = await samples(http, "omni_trio_replica_healthy")
+        assert healthy == {replica_key("thinker", 0): 1, replica_key("talker", 0): 0}
         failures = await samples(http, "omni_trio_replica_failures_total")
         assert failures[replica_key("talker", 0)] == stats.failures
         assert (await samples(http, "omni_trio_stage_live_replicas"))[(("stage", "talker"),)] == 0
