@@ -234,24 +234,27 @@ async def test_a_crashed_replica_shows_dead_and_only_its_stage_is_named(autojump
         assert report.requests_in_flight == 0 and talker.requests_in_flight == 0
 
 
-async def test_one_dead_replica_of_two_degrades_the_stage_and_the_other_serves(autojump_clock):
+async def test_one_dead_replica_of_three_degrades_the_stage_and_the_others_serve(
+    autojump_clock,
+):
     cfg = scripted_pipeline(
         ["a", "b"],
-        outputs=2,
-        replicas={"b": 2},
+        replicas={"b": 3},
         stage_options={"b": {"crash_at_request": 1, "crash_replica": 0}},
+        outputs=3,
     )
     async with omni_trio.open_engine(cfg) as engine:
+        # the first request goes to b[0], the least loaded replica with the lowest index
         with pytest.raises(omni_trio.ReplicaDeadError):
-            async with engine.generate("x") as stream:
-                await stream.collect()
+            await engine.generate("x").collect()
         report = engine.check_health()
         assert report.status == "degraded" and report.healthy
         b = report.stage("b")
-        assert (b.live_replicas, b.total_replicas) == (1, 2)
-        assert [r.state for r in b.replicas] == ["dead", "ready"]
-        assert report.message.startswith("every stage has a ready replica; not ready: b[0] dead")
-        async with engine.generate("y") as stream:
-            outs = await stream.collect()
+        assert (b.live_replicas, b.total_replicas) == (2, 3)
+        assert [r.state for r in b.replicas] == ["dead", "ready", "ready"]
+        assert report.message == "every stage has a ready replica; not ready: b[0] dead" + (
+            f" ({b.replicas[0].last_error})" if b.replicas[0].last_error else ""
+        )
+        outs = await engine.generate("y").collect()
         assert outs[-1].finished and not outs[-1].aborted
         assert engine.check_health().status == "degraded"
