@@ -18,6 +18,7 @@ from .errors import (
     StageStartError,
     StageStopError,
 )
+from .health import HealthReport, ReplicaHealth, StageHealth
 from .outputs import (
     EngineStatistics,
     OmniOutput,
@@ -40,17 +41,20 @@ __all__ = [
     "EngineClosedError",
     "EngineOverloadedError",
     "EngineStatistics",
+    "HealthReport",
     "InvalidRequestError",
     "NoLiveReplicaError",
     "OmniOutput",
     "OmniTrioError",
     "PipelineConfig",
     "ReplicaDeadError",
+    "ReplicaHealth",
     "ReplicaStatistics",
     "RequestStream",
     "StageBackend",
     "StageConfig",
     "StageError",
+    "StageHealth",
     "StageInput",
     "StageOutput",
     "StageRPCError",

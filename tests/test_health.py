@@ -9,7 +9,7 @@ from typing import get_args
 import pytest
 
 import omni_trio
-from omni_trio.health import HealthReport, assess_health
+from omni_trio.health import assess_health
 from omni_trio.outputs import (
     EngineStatistics,
     ReplicaState,
@@ -188,7 +188,7 @@ async def test_check_health_before_during_and_after_the_session(autojump_clock):
     assert {r.state for s in before.stages for r in s.replicas} == {"starting"}
     async with engine:
         report = engine.check_health()
-        assert isinstance(report, HealthReport)
+        assert isinstance(report, omni_trio.HealthReport)  # a public name
         assert report.status == "ok" and report.healthy
         assert [(s.stage_id, s.live_replicas, s.total_replicas) for s in report.stages] == [
             ("a", 1, 1),
