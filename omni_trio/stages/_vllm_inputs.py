@@ -2,16 +2,19 @@
 
 Both run on the worker's loop, before ``AsyncLLM.add_request``. The prompt is rendered here
 (the renderer's ``render_cmpl`` path) so that vLLM never needs its input-processing
-executor. ``v`` is the namespace :func:`~._vllm_process.import_vllm` returns.
+executor. ``v`` is the namespace :func:`~._vllm_process.import_vllm` returns. A replica of
+an entry stage with company scopes its prompts' multimodal UUIDs to itself (:mod:`._vllm_mm`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
 from ..errors import InvalidRequestError
 from ..outputs import StageInput
+from ._vllm_mm import scoped_mm_uuids
 from ._vllm_protocol import check_sampling_keys
 
 # dict params -> the SamplingParams built for them (per process; vLLM copies the params it is
@@ -63,19 +66,72 @@ def _key(sp: dict[str, Any], final_only: bool) -> tuple[object, ...] | None:
     return key
 
 
-def render(v: SimpleNamespace, engine: Any, chunk: StageInput) -> Any:
-    """The engine's rendered prompt for a stage input: token ids, a text prompt or a prompt
-    dict, in that order. Raises InvalidRequestError when the input has none of them."""
+#: a prompt's ``multi_modal_data`` split into its items, per modality
+SplitItems = Callable[[Mapping[str, object]], Mapping[str, object]]
+
+
+def split_items(
+    parse: Callable[[Mapping[str, object]], Mapping[str, Any]], data: Mapping[str, object]
+) -> dict[str, list[object]]:
+    """``data``'s items per modality as vLLM counts and hashes them, ``parse`` being a vLLM
+    ``parse_mm_data`` (a batched array is several images, a list of frames one video).
+    Raises what ``parse`` raises (``ValueError`` for an unsupported modality)."""
+    return {modality: items.get_all_items_for_hash() for modality, items in parse(data).items()}
+
+
+def _engine_split(engine: Any) -> SplitItems:
+    def split(data: Mapping[str, object]) -> Mapping[str, object]:
+        try:
+            processor = engine.renderer.get_mm_processor()
+        except ValueError:  # a text-only model: vLLM rejects the data itself, naming it
+            return data
+        return split_items(processor.info.parse_mm_data, data)
+
+    return split
+
+
+def _scoped(prompt: Any, scope: tuple[str, int], split: SplitItems | None) -> Any:
+    """``prompt`` with its multimodal UUIDs scoped (a new dict), or itself when it carries
+    no multimodal data. An encoder-decoder prompt carries it in its ``encoder_prompt``."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if isinstance(prompt.get("encoder_prompt"), dict):
+        return {**prompt, "encoder_prompt": _scoped(prompt["encoder_prompt"], scope, split)}
+    data = prompt.get("multi_modal_data")
+    if not data:
+        return prompt
+    items = data if split is None else split(data)
+    uuids = scoped_mm_uuids(*scope, items, prompt.get("multi_modal_uuids"))
+    return {**prompt, "multi_modal_uuids": uuids}
+
+
+def engine_prompt(
+    chunk: StageInput, mm_scope: tuple[str, int] | None = None, split: SplitItems | None = None
+) -> Any:
+    """What vLLM is given for a stage input: token ids, a text prompt or a prompt dict, in
+    that order. With ``mm_scope`` (stage id, replica index), a prompt dict carrying
+    ``multi_modal_data`` gets ``multi_modal_uuids`` scoped to that replica
+    (:func:`~._vllm_mm.scoped_mm_uuids`), its items as ``split`` finds them (default: each
+    element of a list, else the value). The input's own dict is never changed. Pure apart from
+    ``split``. Raises InvalidRequestError when the input has none of them."""
     if chunk.token_ids:
-        raw: Any = {"prompt_token_ids": list(chunk.token_ids)}
-    elif chunk.prompt is not None:
-        raw = chunk.prompt
-    elif isinstance(chunk.data, dict):
-        raw = chunk.data
-    else:
-        raise InvalidRequestError(
-            f"a vllm stage needs a text prompt, token ids or a prompt dict, got {chunk!r}"
-        )
+        return {"prompt_token_ids": list(chunk.token_ids)}
+    if chunk.prompt is not None:
+        return chunk.prompt
+    if isinstance(chunk.data, dict):
+        return chunk.data if mm_scope is None else _scoped(chunk.data, mm_scope, split)
+    raise InvalidRequestError(
+        f"a vllm stage needs a text prompt, token ids or a prompt dict, got {chunk!r}"
+    )
+
+
+def render(
+    v: SimpleNamespace, engine: Any, chunk: StageInput, mm_scope: tuple[str, int] | None = None
+) -> Any:
+    """The engine's rendered prompt for a stage input (:func:`engine_prompt`, multimodal
+    items split as the engine's processor does). Raises InvalidRequestError when the input
+    has no prompt; vLLM raises for a prompt it rejects."""
+    raw = engine_prompt(chunk, mm_scope, _engine_split(engine))
     parsed = v.parse_model_prompt(engine.model_config, raw)
     renderer = engine.renderer
     (rendered,) = renderer.render_cmpl([parsed], renderer.default_cmpl_tok_params)

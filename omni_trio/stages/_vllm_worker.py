@@ -71,9 +71,12 @@ class EngineWorker:
         out_tx: BridgeSender[Batch],
         on_exit: Callable[[], None],
         on_phase: Callable[[str], None] = lambda phase: None,
+        mm_scope: tuple[str, int] | None = None,
     ) -> None:
         self.name = name
         self.replica = replica
+        #: (stage id, replica) that prompts' multimodal UUIDs are scoped to (_vllm_mm)
+        self.mm_scope = mm_scope
         self.engine_args = engine_args
         self.options = options
         self._evt_tx = evt_tx
@@ -300,7 +303,7 @@ class EngineWorker:
         try:
             try:
                 params = sampling_params(v, sub.sampling_params, sub.final_only)
-                prompt = render(v, engine, sub.prompt)
+                prompt = render(v, engine, sub.prompt, self.mm_scope)
             except (InvalidRequestError, v.ValidationError, ValueError, TypeError) as exc:
                 outputs.post(rid, outcome.Error(_as_invalid(exc)))
                 return

@@ -34,6 +34,9 @@ Inputs: ``StageInput.token_ids`` (what a downstream stage receives) become
 ``{"prompt_token_ids": ...}``, ``prompt`` a text prompt, ``data`` a vLLM prompt dict. vLLM
 cannot start on a partial prompt, so with ``stream_input: true`` the whole input is collected
 first (:func:`~omni_trio.stages.collect_input`) and the request starts when it is final.
+In an entry stage with more than one replica, a prompt dict's ``multi_modal_data`` items get
+``multi_modal_uuids`` scoped to the replica (``<stage>:<replica>:<hash or given uuid>``, see
+:mod:`~omni_trio.stages._vllm_mm`), so no replica takes a cache hit for data it never received.
 
 Sampling params: ``None`` or a dict become ``SamplingParams(**d, output_kind=DELTA)``; a
 ``SamplingParams`` is copied and forced to DELTA. An unknown key or a bad value raises
@@ -65,6 +68,7 @@ from ..errors import InvalidRequestError, ReplicaDeadError, StageError
 from ..outputs import StageOutput
 from ..transport.bridge import BridgeReceiver, open_bridge
 from ._abc import Emit, InputStream, StageBackend, collect_input
+from ._vllm_mm import replica_scope
 from ._vllm_protocol import CPU_ENGINE_DEFAULTS, END, Abort, Batch, Died, Flow, Resume, Rpc, Submit
 from ._vllm_worker import EngineWorker
 from .options import VllmOptions, parse_options
@@ -103,6 +107,10 @@ class VllmBackend(StageBackend):
             VllmOptions, config.options, where=f"$.stages[{stage_index}].options", backend="vllm"
         )
         self._out_buffer = self.options.output_buffer
+        #: (stage id, replica) this replica's multimodal UUIDs are scoped to, or None
+        self.mm_scope = replica_scope(
+            self.stage_id, replica, replicas=config.replicas, entry=not config.inputs
+        )
         self._abort_timeout = self.options.abort_timeout_s
 
     @property
@@ -135,6 +143,7 @@ class VllmBackend(StageBackend):
             out_tx=out_tx,
             on_exit=on_exit,
             on_phase=self.mark_phase,
+            mm_scope=self.mm_scope,
         )
         # the worker runs in this context (a copy): a model build there reports its steps
         # wherever the caller's do (omni_trio.models.progress)
