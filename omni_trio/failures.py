@@ -12,7 +12,15 @@ from collections.abc import Sequence
 
 from .errors import StageError, StageStartError, StageStopError
 
-__all__ = ["leaves", "merge_start_errors", "merge_stop_errors", "request_error", "single_leaf"]
+__all__ = [
+    "describe_failures",
+    "group_causes",
+    "leaves",
+    "merge_start_errors",
+    "merge_stop_errors",
+    "request_error",
+    "single_leaf",
+]
 
 
 def leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
@@ -66,3 +74,17 @@ def request_error(request_id: str, errors: Sequence[BaseException]) -> BaseExcep
     )
     error.__cause__ = BaseExceptionGroup(f"request {request_id!r} failures", list(errors))
     return error
+
+
+def describe_failures(failures: Sequence[tuple[str, BaseException]]) -> str:
+    """``"a[0]: ValueError: boom; a[2]: ..."``: one line naming every failed child. Pure."""
+    return "; ".join(f"{name}: {type(exc).__name__}: {exc}" for name, exc in failures)
+
+
+def group_causes(message: str, causes: Sequence[BaseException]) -> BaseException:
+    """The single cause itself, or every cause kept in one (Base)ExceptionGroup. Pure."""
+    if len(causes) == 1:
+        return causes[0]
+    if all(isinstance(c, Exception) for c in causes):
+        return ExceptionGroup(message, [c for c in causes if isinstance(c, Exception)])
+    return BaseExceptionGroup(message, list(causes))

@@ -310,7 +310,11 @@ class StageRunner:
         rid = req.request_id
         try:
             with inputs:
-                backend = pool.bind(rid)
+                try:
+                    backend = pool.bind_nowait(rid)
+                except trio.WouldBlock:
+                    # no replica takes it now: wait (FIFO) for a slot or a restarting one
+                    backend = await pool.bind(rid)
                 try:
                     await backend.run_request(rid, inputs, req.params[sid], emit, streamed=streamed)
                 finally:

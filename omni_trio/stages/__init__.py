@@ -1,6 +1,6 @@
 """Stage backends (one module each), the backend contract and replica pools."""
 
 from ._abc import StageBackend, collect_input
-from .pool import StagePool, choose_replica, create_backend
+from .pool import StagePool, create_backend
 
-__all__ = ["StageBackend", "StagePool", "choose_replica", "collect_input", "create_backend"]
+__all__ = ["StageBackend", "StagePool", "collect_input", "create_backend"]

@@ -239,6 +239,18 @@ class StageBackend(abc.ABC):
         await self._shutdown()
         self._raise_stop_failure()
 
+    def kill(self, reason: BaseException) -> None:
+        """Make this replica dead now, as if it had crashed with ``reason``: every request
+        and RPC on it fails with :class:`ReplicaDeadError` and ``serve`` stops it and
+        returns. Synchronous. A pool uses it to end a drain; tests use it to inject a crash.
+        A no-op on a replica that is already dead or stopping."""
+        self._die(reason)
+
+    @property
+    def death(self) -> BaseException | None:
+        """Why the replica died (a failed start, a crash, :meth:`kill`), or ``None``."""
+        return self._death
+
     def _die(self, reason: BaseException) -> None:
         """Mark this replica dead and fail every request and RPC bound to it with
         :class:`ReplicaDeadError`; ``serve`` then stops the replica. Synchronous. The first

@@ -34,7 +34,13 @@ class StageGroup:
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
         self.pools: dict[str, StagePool] = {
-            st.id: StagePool(st, stage_index=i, shutdown_timeout=config.shutdown_timeout)
+            st.id: StagePool(
+                st,
+                stage_index=i,
+                shutdown_timeout=config.shutdown_timeout,
+                lb_policy=config.lb_policy,
+                lb_seed=config.lb_seed,
+            )
             for i, st in enumerate(config.stages)
         }
         #: per stage: trio-clock ``start``, ``ready`` and ``seconds`` of its start-up

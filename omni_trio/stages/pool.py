@@ -1,9 +1,13 @@
-"""Replica pools: one per stage, owning that stage's replicas and the request -> replica bindings.
+"""Replica pools: one per stage, owning that stage's replicas for the whole session.
 
 The pool starts its replicas in parallel in its own nursery (one failing to start cancels the
-others' starts at once), binds each request to one live replica (:func:`choose_replica`,
-least loaded first), and forgets the binding when the request ends, however it ends. A dead
-replica fails only the requests bound to it; new requests go to the live ones. RPCs fan out
+others' starts at once). Each replica index runs as one supervising task in that nursery
+(``nursery.start``): it serves the index's backend and, with ``restart: on-failure``, replaces
+a dead one (same index, exponential backoff, at most ``max_restarts`` times). Replicas join
+(:meth:`StagePool.add_replica`) and leave (:meth:`StagePool.remove_replica`: drain, then stop)
+while the pool serves. Requests are bound to replicas by a
+:class:`~omni_trio.stages.binding.ReplicaBinder` (balancing policy, per-replica slots, waiting
+for a restarting replica). A dead replica fails only the requests bound to it. RPCs fan out
 to every replica concurrently. Backends are created from ``StageConfig.backend`` by
 :func:`create_backend`; the pool uses only their public methods.
 
@@ -13,121 +17,47 @@ Several children failing (starts, stops, RPCs) raise one typed error ``from`` an
 
 from __future__ import annotations
 
-import importlib
-import math
+import logging
 from collections.abc import Mapping, Sequence
 
 import trio
 
-from ..config import StageConfig
+from ..config import LbPolicy, StageConfig
 from ..errors import (
-    BackendUnavailableError,
-    CollectiveRPCTimeoutError,
-    ConfigError,
-    StageRPCError,
+    EngineClosedError,
+    InvalidRequestError,
+    ReplicaDeadError,
     StageStartError,
     StageStopError,
 )
-from ..outputs import Payload, ReplicaStatistics, SamplingParams, StageOutput, StageStatistics
+from ..failures import describe_failures, group_causes
+from ..outputs import Payload, SamplingParams, StageOutput, StageStatistics
 from ._abc import (
     DEFAULT_SHUTDOWN_TIMEOUT,
     Emit,
     InputStream,
     StageBackend,
     is_cancellation,
-    no_live_replica,
 )
+from .balancing import Balancer
+from .binding import ReplicaBinder
+from .factory import BackendFactory, create_backend
+from .fanout import call_replicas
+from .replicas import ReplicaSlot, RestartRule
 
-__all__ = ["StagePool", "choose_replica", "create_backend", "describe_failures"]
+__all__ = ["BackendFactory", "StagePool", "create_backend", "describe_failures"]  # re-exported
 
-_BUILTIN = {
-    "scripted": ("omni_trio.stages.scripted", "ScriptedBackend"),
-    "vllm": ("omni_trio.stages.vllm", "VllmBackend"),
-    "torch": ("omni_trio.stages.torch", "TorchBackend"),
-}
-
-
-def choose_replica(replicas: Sequence[ReplicaStatistics]) -> int | None:
-    """Index of the live replica with the fewest requests in flight (lowest index on ties),
-    or ``None`` when none is alive. Pure."""
-    best: int | None = None
-    for i, r in enumerate(replicas):
-        if r.alive and (best is None or r.requests_in_flight < replicas[best].requests_in_flight):
-            best = i
-    return best
-
-
-def describe_failures(failures: Sequence[tuple[str, BaseException]]) -> str:
-    """``"a[0]: ValueError: boom; a[2]: ..."``: one line naming every failed child. Pure."""
-    return "; ".join(f"{name}: {type(exc).__name__}: {exc}" for name, exc in failures)
-
-
-def _group(message: str, causes: Sequence[BaseException]) -> BaseException:
-    # the single cause itself, or every cause kept in a group
-    if len(causes) == 1:
-        return causes[0]
-    if all(isinstance(c, Exception) for c in causes):
-        return ExceptionGroup(message, [c for c in causes if isinstance(c, Exception)])
-    return BaseExceptionGroup(message, list(causes))
-
-
-def create_backend(config: StageConfig, *, stage_index: int, replica: int) -> StageBackend:
-    """Build one replica of a stage from its config. Raises ConfigError/BackendUnavailableError."""
-    where = f"$.stages[{stage_index}].backend"
-    module_name, attr = _BUILTIN.get(config.backend, (None, None))
-    if module_name is None:
-        module_name, _, attr = config.backend.partition(":")
-    assert attr is not None
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        if config.backend in _BUILTIN:
-            raise BackendUnavailableError(
-                f"stage {config.id!r}: backend {config.backend!r} needs an optional dependency "
-                f"({exc.name or exc}); install omni-trio[{config.backend}]"
-            ) from exc
-        raise ConfigError(
-            f"cannot import backend module {module_name!r}: {exc}", path=where
-        ) from exc
-    factory = getattr(module, attr, None)
-    if factory is None:
-        raise ConfigError(f"backend module {module_name!r} has no {attr!r}", path=where)
-    try:
-        backend = factory(config, stage_index=stage_index, replica=replica)
-    except (ConfigError, BackendUnavailableError):
-        raise
-    except Exception as exc:
-        raise ConfigError(
-            f"backend factory {config.backend!r} failed for stage {config.id!r}: "
-            f"{type(exc).__name__}: {exc}",
-            path=where,
-        ) from exc
-    if not isinstance(backend, StageBackend):
-        raise ConfigError(
-            f"backend {config.backend!r} returned {type(backend).__name__}, "
-            f"not a omni_trio.stages.StageBackend",
-            path=where,
-        )
-    return backend
-
-
-class _Started:
-    """A task status that remembers whether the replica reported readiness."""
-
-    def __init__(self, inner: trio.TaskStatus[None]) -> None:
-        self._inner = inner
-        self.called = False
-
-    def started(self, value: None = None) -> None:
-        self.called = True
-        self._inner.started()
+logger = logging.getLogger(__name__)
 
 
 class StagePool:
     """The replicas of one stage and the requests bound to them.
 
     ``shutdown_timeout`` (the pipeline's) bounds each replica's stop unless the stage sets
-    its own ``shutdown_timeout``.
+    its own ``shutdown_timeout``; ``lb_policy`` (the pipeline's) is the balancing policy
+    unless the stage sets its own; ``lb_seed`` seeds the ``random`` policy; ``factory``
+    builds each replica's backend (default :func:`create_backend`), for the first start,
+    restarts and added replicas alike.
     """
 
     def __init__(
@@ -136,18 +66,34 @@ class StagePool:
         *,
         stage_index: int,
         shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+        lb_policy: LbPolicy = "least_loaded",
+        lb_seed: int | None = None,
+        factory: BackendFactory = create_backend,
     ) -> None:
         self.config = config
         self.stage_id = config.id
         self.stage_index = stage_index
-        self.replicas: list[StageBackend] = [
-            create_backend(config, stage_index=stage_index, replica=r)
-            for r in range(config.replicas)
+        self._shutdown_timeout = shutdown_timeout
+        self._factory = factory
+        self._slots: list[ReplicaSlot] = [
+            ReplicaSlot(r, self._new_backend(r)) for r in range(config.replicas)
         ]
-        if config.shutdown_timeout is None:
-            for backend in self.replicas:
-                backend.shutdown_timeout = shutdown_timeout
-        self._bindings: dict[str, StageBackend] = {}
+        self._next_index = config.replicas
+        self._binder = ReplicaBinder(
+            self.stage_id,
+            self._slots,
+            Balancer(config.lb_policy or lb_policy, lb_seed),
+            max_in_flight=config.max_in_flight_per_replica,
+            wait_timeout=config.replica_wait_timeout_s,
+        )
+        self._restart_rule = RestartRule.of(config)
+        self._nursery: trio.Nursery | None = None  # while serving
+
+    def _new_backend(self, index: int) -> StageBackend:
+        backend = self._factory(self.config, stage_index=self.stage_index, replica=index)
+        if self.config.shutdown_timeout is None:
+            backend.shutdown_timeout = self._shutdown_timeout
+        return backend
 
     # -- lifecycle -------------------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -156,26 +102,30 @@ class StagePool:
         Checkpoints. If a replica fails to start, the other starts are cancelled at once,
         every replica is stopped, and :class:`StageStartError` names each failed replica
         (raised from the cause, or from an ``ExceptionGroup`` of every cause). A replica that
-        dies after readiness does not end the pool. Cancellation is the shutdown signal: it
-        stops every replica in parallel (each bounded by its ``shutdown_timeout``), then
-        raises :class:`StageStopError` listing each replica whose stop raised or overran.
+        dies after readiness does not end the pool (it is restarted, or stays dead).
+        Cancellation is the shutdown signal: it stops every replica in parallel (each bounded
+        by its ``shutdown_timeout``), then raises :class:`StageStopError` listing each
+        replica whose stop raised or overran.
         """
         failed: list[tuple[str, BaseException]] = []
         try:
             async with trio.open_nursery() as nursery:
                 async with trio.open_nursery() as starters:
-                    for backend in self.replicas:
-                        starters.start_soon(self._start_replica, nursery, starters, backend, failed)
+                    for slot in self._slots:
+                        starters.start_soon(self._start_slot, nursery, starters, slot, failed)
                 if failed:
                     nursery.cancel_scope.cancel()
                 else:
+                    self._nursery = nursery
                     task_status.started()
                     # the pool lives until shutdown, even if every replica died
                     await trio.sleep_forever()
         except BaseException as exc:
+            self._nursery = None
             if is_cancellation(exc):
                 self._raise_stop_failures()
             raise
+        self._nursery = None
         if not failed:
             # No replica failed, yet the start did not complete: a cancellation reached the
             # starts and was absorbed on its way. A cancelled caller gets its cancellation; else
@@ -189,75 +139,156 @@ class StagePool:
         reason = describe_failures(failed)
         if stops:
             reason += f" (and did not stop cleanly: {describe_failures(stops)})"
-        raise StageStartError(self.stage_id, reason) from _group(
+        raise StageStartError(self.stage_id, reason) from group_causes(
             f"stage {self.stage_id!r}: replica start failures", causes
         )
 
-    async def _start_replica(
+    async def _start_slot(
         self,
         nursery: trio.Nursery,
         starters: trio.Nursery,
-        backend: StageBackend,
+        slot: ReplicaSlot,
         failed: list[tuple[str, BaseException]],
     ) -> None:
         try:
-            await nursery.start(self._serve_replica, backend)
+            await nursery.start(self._serve_slot, slot)
         except StageStopError:
             pass  # a start cancelled by a sibling's failure, whose stop failed: recorded
         except Exception as exc:
-            failed.append((backend.name, exc))
+            failed.append((slot.backend.name, exc))
             starters.cancel_scope.cancel()  # the siblings' starts stop now, not at the slowest
 
-    async def _serve_replica(
-        self, backend: StageBackend, *, task_status: trio.TaskStatus[None]
-    ) -> None:
-        status = _Started(task_status)
-        try:
-            await backend.serve(task_status=status)
-        except StageStopError:
-            if not status.called:
-                raise  # a cancelled start: nursery.start() must see it
-            # After a death or at shutdown. Recorded on the backend (its stop_failure) and
-            # raised by serve() when the pool stops; raising it here would stop the siblings.
+    async def _serve_slot(self, slot: ReplicaSlot, *, task_status: trio.TaskStatus[None]) -> None:
+        await slot.serve(
+            self._restart_rule, self._new_backend, self._binder.wake, task_status=task_status
+        )
 
     def _in_replica_order(
         self, failures: list[tuple[str, BaseException]]
     ) -> list[tuple[str, BaseException]]:
-        order = {b.name: i for i, b in enumerate(self.replicas)}
+        order = {s.backend.name: i for i, s in enumerate(self._slots)}
         return sorted(failures, key=lambda f: order[f[0]])
 
     def _stop_failures(self) -> list[tuple[str, BaseException]]:
-        return [(b.name, b.stop_failure) for b in self.replicas if b.stop_failure is not None]
+        stops: list[tuple[str, BaseException]] = []
+        for slot in self._slots:
+            slot.record_stopped(slot.backend)
+            stops.extend(slot.stop_failures)
+        return stops
 
     def _raise_stop_failures(self) -> None:
         stops = self._stop_failures()
         if stops:
-            raise StageStopError(stops) from _group(
+            raise StageStopError(stops) from group_causes(
                 f"stage {self.stage_id!r}: replica stop failures", [exc for _, exc in stops]
             )
 
-    # -- requests ------------------------------------------------------------------------
-    def bind(self, request_id: str) -> StageBackend:
-        """Bind a request to a live replica. Synchronous. Raises NoLiveReplicaError."""
-        # choose_replica's rule, without a statistics snapshot of every replica per request
-        replicas = self.replicas
-        backend: StageBackend | None = None
-        if len(replicas) == 1:
-            if replicas[0].alive:
-                backend = replicas[0]  # the usual single replica: nothing to compare
-        else:
-            backend = self._least_loaded()
-        if backend is None:
-            raise no_live_replica(self.stage_id, request_id)
-        self._bindings[request_id] = backend
-        return backend
+    # -- membership ------------------------------------------------------------------------
+    async def add_replica(self) -> int:
+        """Start one more replica; return its index once it is ready (new requests may go
+        to it from then on).
 
-    def _least_loaded(self) -> StageBackend | None:
-        backend: StageBackend | None = None
-        for r in self.replicas:
-            if r.alive and (backend is None or r.requests_in_flight < backend.requests_in_flight):
-                backend = r
-        return backend
+        Always checkpoints. Cancelled, the start is cancelled and the pool is unchanged.
+        Raises :class:`StageStartError` naming the replica if it fails to start (the pool
+        unchanged), :class:`EngineClosedError` if the pool is not serving.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        nursery = self._nursery
+        if nursery is None:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            raise EngineClosedError(f"stage {self.stage_id!r} is not serving; cannot add a replica")
+        index = self._next_index
+        self._next_index += 1
+        slot = ReplicaSlot(index, self._new_backend(index))
+        self._slots.append(slot)
+        try:
+            await nursery.start(self._serve_slot, slot)
+        except Exception as exc:
+            self._slots.remove(slot)
+            self._binder.wake()
+            raise StageStartError(
+                self.stage_id, f"added replica {slot.backend.name}: {type(exc).__name__}: {exc}"
+            ) from exc
+        except BaseException:
+            self._slots.remove(slot)
+            self._binder.wake()
+            raise
+        return index
+
+    async def remove_replica(self, index: int, *, drain_timeout: float = 30.0) -> None:
+        """Stop routing new requests to replica ``index``, let its in-flight requests finish
+        for up to ``drain_timeout`` seconds, fail the rest with :class:`ReplicaDeadError`,
+        stop it and drop it from the pool. Removing the last ready replica is allowed.
+
+        Always checkpoints. Cancelled before the removal is committed, nothing happens;
+        cancelled while draining, the drain is cut short (the rest fail now) and the replica
+        is still stopped before the cancellation propagates. Raises
+        :class:`InvalidRequestError` for an unknown index or one already being removed,
+        :class:`StageStopError` if the replica's stop failed or overran.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        slot = self._slot(index)
+        if slot is None or slot.draining:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            raise InvalidRequestError(
+                f"stage {self.stage_id!r} has no replica {index} to remove"
+                + (" (it is already being removed)" if slot is not None else "")
+                + f"; its replicas are {[s.index for s in self._slots if not s.draining]}"
+            )
+        slot.start_draining()
+        self._binder.wake()
+        try:
+            with trio.move_on_after(drain_timeout):
+                await slot.wait_drained()
+        finally:
+            with trio.CancelScope(shield=True):
+                if slot.bound:
+                    slot.backend.kill(
+                        ReplicaDeadError(
+                            f"replica {slot.backend.name} was removed from the pool: "
+                            f"drain_timeout={drain_timeout}s ran out with {slot.bound} "
+                            f"request(s) in flight",
+                            stage_id=self.stage_id,
+                            replica=index,
+                        )
+                    )
+                slot.scope.cancel()
+                await slot.ended.wait()
+                self._slots.remove(slot)
+                self._binder.wake()
+        if slot.stop_failures:
+            raise StageStopError(slot.stop_failures) from group_causes(
+                f"stage {self.stage_id!r}: replica stop failures",
+                [exc for _, exc in slot.stop_failures],
+            )
+
+    def _slot(self, index: int) -> ReplicaSlot | None:
+        for slot in self._slots:
+            if slot.index == index:
+                return slot
+        return None
+
+    def replica(self, index: int) -> StageBackend:
+        """The backend serving replica ``index`` now. Synchronous. Raises
+        :class:`InvalidRequestError` for an unknown index."""
+        slot = self._slot(index)
+        if slot is None:
+            raise InvalidRequestError(
+                f"stage {self.stage_id!r} has no replica {index}; "
+                f"its replicas are {[s.index for s in self._slots]}"
+            )
+        return slot.backend
+
+    # -- requests ------------------------------------------------------------------------
+    def bind_nowait(self, request_id: str) -> StageBackend:
+        """Bind a request to a replica now (see :class:`ReplicaBinder`). Synchronous. Raises
+        :class:`trio.WouldBlock` if it would wait, :class:`NoLiveReplicaError`."""
+        return self._binder.bind_nowait(request_id)
+
+    async def bind(self, request_id: str) -> StageBackend:
+        """Bind a request to a replica, waiting first-in first-out if none can take it.
+        Always checkpoints; see :meth:`ReplicaBinder.bind`."""
+        return await self._binder.bind(request_id)
 
     async def run_request(
         self,
@@ -268,31 +299,31 @@ class StagePool:
         *,
         streamed: bool = True,
     ) -> None:
-        """Run a request on a live replica; the binding is gone when this returns.
+        """Run a request on a replica; the binding is gone when this returns.
         ``streamed``: see :meth:`StageBackend.run_request`.
 
         Checkpoints. Cancellation aborts it in the replica first. Raises what the replica
         raises (StageError, ReplicaDeadError) or NoLiveReplicaError.
         """
-        backend = self.bind(request_id)
+        backend = await self._binder.bind(request_id)
         try:
             await backend.run_request(request_id, inputs, sampling_params, emit, streamed=streamed)
         finally:
-            self.release(request_id)
+            self._binder.release(request_id)
 
     def release(self, request_id: str) -> None:
         """Forget a request's binding (its run on the replica ended). Synchronous; a no-op
         for a request that is not bound."""
-        self._bindings.pop(request_id, None)
+        self._binder.release(request_id)
 
     def replica_of(self, request_id: str) -> StageBackend | None:
         """The replica a request is bound to, or ``None``. Synchronous."""
-        return self._bindings.get(request_id)
+        return self._binder.replica_of(request_id)
 
     async def abort(self, request_id: str) -> list[StageOutput]:
         """Abort a request in its replica; returns its outputs so far (``[]`` if unknown).
         Always checkpoints."""
-        backend = self._bindings.get(request_id)
+        backend = self._binder.replica_of(request_id)
         if backend is None:
             await trio.lowlevel.checkpoint()
             return []
@@ -313,50 +344,28 @@ class StagePool:
         ``timeout``; :class:`StageRPCError` naming each replica that raised (a dead one
         raises :class:`ReplicaDeadError`), from an ``ExceptionGroup`` of every cause.
         """
-        results: list[Payload] = [None] * len(self.replicas)
-        answered = [False] * len(self.replicas)
-        errors: list[Exception | None] = [None] * len(self.replicas)
-
-        async def call(i: int, backend: StageBackend) -> None:
-            try:
-                results[i] = await backend.collective_rpc(method, args, kwargs)
-            except Exception as exc:
-                errors[i] = exc
-            answered[i] = True
-
-        with trio.move_on_after(math.inf if timeout is None else timeout):
-            async with trio.open_nursery() as nursery:
-                for i, backend in enumerate(self.replicas):
-                    nursery.start_soon(call, i, backend)
-        failed = [(b.name, e) for b, e in zip(self.replicas, errors, strict=True) if e is not None]
-        causes = (
-            _group(f"collective_rpc({method!r}) on stage {self.stage_id!r}", [e for _, e in failed])
-            if failed
-            else None
+        return await call_replicas(
+            self.stage_id, self.replicas, method, args, kwargs, timeout=timeout
         )
-        if not all(answered):
-            pending = [b.name for b, done in zip(self.replicas, answered, strict=True) if not done]
-            raise CollectiveRPCTimeoutError(method, float(timeout or 0.0), pending) from causes
-        if failed:
-            raise StageRPCError(
-                f"collective_rpc({method!r}) failed on {describe_failures(failed)}",
-                stage_id=self.stage_id,
-                failures=failed,
-            ) from causes
-        return results
 
     # -- introspection -------------------------------------------------------------------
+    @property
+    def replicas(self) -> list[StageBackend]:
+        """The backends serving the pool's replica indexes now, in index order (a copy)."""
+        return [slot.backend for slot in self._slots]
+
     def init_phases(self) -> list[dict[str, float]]:
         """Per replica: seconds from its ``start`` to each recorded start-up phase."""
-        return [r.init_phases() for r in self.replicas]
+        return [slot.backend.init_phases() for slot in self._slots]
 
     @property
     def live_replicas(self) -> int:
-        return sum(1 for r in self.replicas if r.alive)
+        """Replicas that take new requests (ready, not draining)."""
+        return sum(1 for slot in self._slots if slot.takes_requests)
 
     @property
     def requests_in_flight(self) -> int:
-        return len(self._bindings)
+        return self._binder.requests_in_flight
 
     def statistics(self) -> StageStatistics:
         """A frozen snapshot of the stage and its replicas. Never blocks."""
@@ -364,14 +373,16 @@ class StagePool:
             stage_id=self.stage_id,
             stage_index=self.stage_index,
             backend=self.config.backend,
-            requests_in_flight=len(self._bindings),
+            requests_in_flight=self._binder.requests_in_flight,
             live_replicas=self.live_replicas,
-            replicas=tuple(r.statistics() for r in self.replicas),
+            replicas=tuple(slot.statistics() for slot in self._slots),
+            requests_waiting=self._binder.requests_waiting,
         )
 
     def __repr__(self) -> str:
         return (
             f"<StagePool {self.stage_id!r} backend={self.config.backend} "
-            f"replicas={self.live_replicas}/{len(self.replicas)} live "
-            f"in_flight={len(self._bindings)}>"
+            f"replicas={self.live_replicas}/{len(self._slots)} live "
+            f"in_flight={self._binder.requests_in_flight} "
+            f"waiting={self._binder.requests_waiting}>"
         )

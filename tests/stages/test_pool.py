@@ -12,22 +12,10 @@ from omni_trio import (
     StageStopError,
     load_config,
 )
-from omni_trio.outputs import ReplicaStatistics, StageInput
+from omni_trio.outputs import StageInput
 from omni_trio.stages._abc import StageAborted
-from omni_trio.stages.pool import StagePool, choose_replica, create_backend, describe_failures
+from omni_trio.stages.pool import StagePool, create_backend, describe_failures
 from omni_trio.stages.scripted import ScriptedBackend
-
-
-def rs(i, alive=True, n=0):
-    return ReplicaStatistics(i, alive, n, 0, 0, 0)
-
-
-def test_choose_replica_least_loaded_live_first():
-    assert choose_replica([]) is None
-    assert choose_replica([rs(0, alive=False)]) is None
-    assert choose_replica([rs(0, n=3), rs(1, n=1), rs(2, n=1)]) == 1
-    assert choose_replica([rs(0, alive=False, n=0), rs(1, n=5)]) == 1
-    assert choose_replica([rs(0, n=2), rs(1, n=2)]) == 0
 
 
 def cfg(**stage):
@@ -109,13 +97,12 @@ def test_describe_failures_pure():
 
 def with_replicas(cls, n, *, shutdown_timeout=30.0, **options):
     """A pool of ``n`` replicas of a test backend class (built like create_backend would)."""
-    pool = StagePool(
-        cfg(replicas=n, options=options).stages[0], stage_index=0, shutdown_timeout=shutdown_timeout
+    return StagePool(
+        cfg(replicas=n, options=options).stages[0],
+        stage_index=0,
+        shutdown_timeout=shutdown_timeout,
+        factory=cls,
     )
-    pool.replicas[:] = [cls(pool.config, stage_index=0, replica=r) for r in range(n)]
-    for r in pool.replicas:
-        r.shutdown_timeout = shutdown_timeout
-    return pool
 
 
 class FailsStartOnOdd(ScriptedBackend):
