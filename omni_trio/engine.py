@@ -318,6 +318,36 @@ class Engine:
             )
         return results
 
+    # -- membership ----------------------------------------------------------------------------
+    async def _membership_stage(self, stage: str | int, what: str) -> str:
+        # the checks of add/remove_replica: a schedule point on the refusal paths too
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self._check_open()
+            return stage_ref(self.config, stage, f"{what}: stage")
+        except (EngineClosedError, InvalidRequestError):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            raise
+
+    async def add_replica(self, stage: str | int) -> int:
+        """Start one more replica of ``stage`` (id or index); return its index once it is
+        ready. Always checkpoints; cancelled, the start is cancelled and the stage unchanged.
+        Raises :class:`StageStartError` if it fails to start (the stage unchanged),
+        :class:`InvalidRequestError` for an unknown stage, :class:`EngineClosedError`."""
+        sid = await self._membership_stage(stage, "add_replica")
+        return await self.pools[sid].add_replica()
+
+    async def remove_replica(
+        self, stage: str | int, index: int, drain_timeout: float = 30.0
+    ) -> None:
+        """Stop routing new requests to replica ``index`` of ``stage``, let its requests
+        finish for up to ``drain_timeout`` seconds, fail the rest with
+        :class:`ReplicaDeadError`, then stop it (see :meth:`StagePool.remove_replica`).
+        Always checkpoints. Raises :class:`InvalidRequestError` for an unknown stage or
+        replica, :class:`StageStopError` if its stop failed, :class:`EngineClosedError`."""
+        sid = await self._membership_stage(stage, "remove_replica")
+        await self.pools[sid].remove_replica(index, drain_timeout=drain_timeout)
+
     # -- introspection -------------------------------------------------------------------------
     def add_observer(self, observer: EngineObserver) -> None:
         """Attach an :class:`~omni_trio.observer.EngineObserver` (metrics, tracing)."""
