@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import get_args
 
 import pytest
+import trio
 
 import omni_trio
-from omni_trio.health import assess_health
+from omni_trio.health import HealthReport, ReplicaHealth, assess_health
 from omni_trio.outputs import (
     EngineStatistics,
     ReplicaState,
@@ -19,6 +21,7 @@ from omni_trio.outputs import (
 from omni_trio.testing import scripted_pipeline
 
 ALL_STATES: tuple[ReplicaState, ...] = get_args(ReplicaState)
+CRASH = "StageError: scripted crash at request {}"  # a scripted replica's last_error
 
 
 def replica(
@@ -180,6 +183,11 @@ def test_the_report_is_frozen_and_an_unknown_stage_is_a_key_error():
         report.stage("nope")
 
 
+def replica_of(report: HealthReport, stage_id: str, index: int) -> ReplicaHealth:
+    (found,) = [r for r in report.stage(stage_id).replicas if r.replica == index]
+    return found
+
+
 # -- Engine.check_health ----------------------------------------------------------------------
 async def test_check_health_before_during_and_after_the_session(autojump_clock):
     engine = omni_trio.open_engine(scripted_pipeline(["a", "b"], outputs=4, latency_s=1.0))
@@ -218,20 +226,120 @@ async def test_a_crashed_replica_shows_dead_and_only_its_stage_is_named(autojump
         report = engine.check_health()
         assert report.status == "unhealthy" and not report.healthy
         assert report.unhealthy_stages == ("talker",)
-        assert "talker[0] dead" in report.message and "thinker" not in report.message
+        assert report.message == (
+            f"stage(s) talker have no ready replica: talker[0] dead ({CRASH.format(1)})"
+        )
         talker = report.stage("talker")
         assert (talker.live_replicas, talker.total_replicas) == (0, 1)
-        assert talker.replicas[0].state == "dead" and not talker.replicas[0].live
-        assert report.stage("thinker").replicas[0].state == "ready"
-        # the failure history is the pool's statistics, passed through unchanged
-        (dead,) = engine.statistics().stage("talker").replicas
-        got = talker.replicas[0]
-        assert (got.failures, got.restarts, got.last_error) == (
-            dead.failures,
-            dead.restarts,
-            dead.last_error,
-        )
+        (dead,) = talker.replicas
+        assert dead.state == "dead" and not dead.live
+        assert (dead.failures, dead.restarts, dead.last_error) == (1, 0, CRASH.format(1))
+        thinker = report.stage("thinker").replicas[0]
+        assert (thinker.state, thinker.failures, thinker.last_error) == ("ready", 0, None)
         assert report.requests_in_flight == 0 and talker.requests_in_flight == 0
+
+
+async def test_a_restarting_replica_is_reported_and_a_request_waits_for_it(autojump_clock):
+    cfg = scripted_pipeline(
+        ["a", "b"], outputs=2, stage_options={"b": {"crash_at_request": 2}}
+    )  # every backend of b[0] crashes at its 2nd request: the replacement serves one
+    overrides = {"b": {"restart": "on-failure", "restart_backoff_s": 5.0}}
+    async with omni_trio.open_engine(cfg, stage_overrides=overrides) as engine:
+        await engine.generate("x").collect()
+        with pytest.raises(omni_trio.ReplicaDeadError):
+            await engine.generate("x").collect()
+        report = engine.check_health()
+        assert report.status == "unhealthy" and report.unhealthy_stages == ("b",)
+        assert report.message.endswith(f"b[0] restarting ({CRASH.format(2)})")
+        (b0,) = report.stage("b").replicas
+        assert (b0.state, b0.failures, b0.restarts) == ("restarting", 1, 0)
+        async with trio.open_nursery() as nursery:
+            done = trio.Event()
+
+            async def third() -> None:
+                outs = await engine.generate("z").collect()
+                assert outs[-1].finished and not outs[-1].aborted
+                done.set()
+
+            nursery.start_soon(third)
+            # checkpoints never advance the MockClock: the restart is still 5 s away
+            for _ in range(1000):
+                if engine.check_health().stage("b").requests_waiting:
+                    break
+                await trio.lowlevel.checkpoint()
+            waiting = engine.check_health()
+            assert waiting.stage("b").requests_waiting == 1
+            assert waiting.stage("b").replicas[0].state == "restarting"
+            assert waiting.requests_in_flight == 1
+        assert done.is_set()
+        back = engine.check_health()
+        assert back.status == "ok" and back.healthy
+        (b0,) = back.stage("b").replicas
+        assert (b0.state, b0.failures, b0.restarts) == ("ready", 1, 1)
+        assert b0.last_error == CRASH.format(2)  # the history stays after it recovered
+        assert back.stage("b").requests_waiting == 0
+
+
+async def test_a_draining_replica_is_not_live_and_a_removed_one_is_gone(autojump_clock):
+    cfg = scripted_pipeline(
+        ["a", "b"],
+        outputs=1,
+        replicas={"b": 2},
+        stage_options={"b": {"outputs": 10, "latency_s": 1.0}},
+    )
+    async with omni_trio.open_engine(cfg) as engine:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.generate("x").collect)
+            for _ in range(1000):
+                if engine.check_health().stage("b").requests_in_flight:
+                    break
+                await trio.lowlevel.checkpoint()
+            (busy,) = [
+                r.replica for r in engine.check_health().stage("b").replicas if r.requests_in_flight
+            ]
+            nursery.start_soon(partial(engine.remove_replica, "b", busy, drain_timeout=100))
+            for _ in range(1000):
+                if replica_of(engine.check_health(), "b", busy).state == "draining":
+                    break
+                await trio.lowlevel.checkpoint()
+            report = engine.check_health()
+            b = report.stage("b")
+            draining = replica_of(report, "b", busy)
+            assert draining.state == "draining" and not draining.live
+            assert draining.requests_in_flight == 1  # it still serves its request
+            assert (b.live_replicas, b.total_replicas) == (1, 2)
+            assert report.status == "degraded" and report.healthy
+            assert f"b[{busy}] draining" in report.message
+        # the request finished, the drain ended, the replica was stopped and dropped
+        after = engine.check_health()
+        assert [r.replica for r in after.stage("b").replicas] == [1 - busy]
+        assert (after.stage("b").live_replicas, after.stage("b").total_replicas) == (1, 1)
+        assert after.status == "ok"
+
+
+async def test_an_added_replica_is_starting_then_live(autojump_clock):
+    cfg = scripted_pipeline(["a"], start_delay_s=5.0)
+    async with omni_trio.open_engine(cfg) as engine:
+        async with trio.open_nursery() as nursery:
+            added: list[int] = []
+
+            async def add() -> None:
+                added.append(await engine.add_replica("a"))
+
+            nursery.start_soon(add)
+            for _ in range(1000):
+                if len(engine.check_health().stage("a").replicas) == 2:
+                    break
+                await trio.lowlevel.checkpoint()
+            report = engine.check_health()
+            assert [r.state for r in report.stage("a").replicas] == ["ready", "starting"]
+            assert report.status == "degraded" and report.healthy
+            assert "a[1] starting" in report.message
+        assert added == [1]
+        report = engine.check_health()
+        assert [r.state for r in report.stage("a").replicas] == ["ready", "ready"]
+        assert (report.stage("a").live_replicas, report.stage("a").total_replicas) == (2, 2)
+        assert report.status == "ok"
 
 
 async def test_one_dead_replica_of_three_degrades_the_stage_and_the_others_serve(
