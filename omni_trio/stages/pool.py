@@ -75,8 +75,9 @@ class StagePool:
         self.stage_index = stage_index
         self._shutdown_timeout = shutdown_timeout
         self._factory = factory
+        self._restart_rule = RestartRule.of(config)
         self._slots: list[ReplicaSlot] = [
-            ReplicaSlot(r, self._new_backend(r)) for r in range(config.replicas)
+            ReplicaSlot(r, self._new_backend(r), self._restart_rule) for r in range(config.replicas)
         ]
         self._next_index = config.replicas
         self._binder = ReplicaBinder(
@@ -86,7 +87,6 @@ class StagePool:
             max_in_flight=config.max_in_flight_per_replica,
             wait_timeout=config.replica_wait_timeout_s,
         )
-        self._restart_rule = RestartRule.of(config)
         self._nursery: trio.Nursery | None = None  # while serving
 
     def _new_backend(self, index: int) -> StageBackend:
@@ -159,9 +159,7 @@ class StagePool:
             starters.cancel_scope.cancel()  # the siblings' starts stop now, not at the slowest
 
     async def _serve_slot(self, slot: ReplicaSlot, *, task_status: trio.TaskStatus[None]) -> None:
-        await slot.serve(
-            self._restart_rule, self._new_backend, self._binder.wake, task_status=task_status
-        )
+        await slot.serve(self._new_backend, self._binder.wake, task_status=task_status)
 
     def _in_replica_order(
         self, failures: list[tuple[str, BaseException]]
@@ -199,7 +197,7 @@ class StagePool:
             raise EngineClosedError(f"stage {self.stage_id!r} is not serving; cannot add a replica")
         index = self._next_index
         self._next_index += 1
-        slot = ReplicaSlot(index, self._new_backend(index))
+        slot = ReplicaSlot(index, self._new_backend(index), self._restart_rule)
         self._slots.append(slot)
         try:
             await nursery.start(self._serve_slot, slot)

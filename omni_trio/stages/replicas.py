@@ -105,13 +105,15 @@ class ReplicaSlot:
         "last_error",
         "restarting",
         "restarts",
+        "rule",
         "scope",
         "stop_failures",
     )
 
-    def __init__(self, index: int, backend: StageBackend) -> None:
+    def __init__(self, index: int, backend: StageBackend, rule: RestartRule | None = None) -> None:
         self.index = index
         self.backend = backend
+        self.rule = rule or RestartRule()
         #: requests bound to this index now (bound before their run starts on the backend)
         self.bound = 0
         #: being removed: takes no new request, never restarted
@@ -150,9 +152,15 @@ class ReplicaSlot:
     def pending(self) -> bool:
         """Not ready yet but on its way (starting, or a replacement pending), and not being
         removed: a request may wait for it. Synchronous."""
-        if self.draining:
+        if self.draining or self.ended.is_set():
             return False
-        return self.restarting or self.backend.state == "starting"
+        state = self.backend.state
+        # a death the supervising task has not handled yet counts if it will be restarted
+        return (
+            self.restarting
+            or state == "starting"
+            or (state == "dead" and self.rule.allows(self.restarts))
+        )
 
     # -- bindings --------------------------------------------------------------------------
     def bind(self) -> None:
@@ -177,13 +185,12 @@ class ReplicaSlot:
     # -- the supervising task ----------------------------------------------------------------
     async def serve(
         self,
-        rule: RestartRule,
         new_backend: Callable[[int], StageBackend],
         on_change: Callable[[], None],
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Serve this index for the session: its backend, then (``rule``) each replacement
+        """Serve this index for the session: its backend, then (:attr:`rule`) each replacement
         of a dead one, after a backoff, until the rule gives up. ``on_change`` is called
         whenever the index becomes ready, restarting, or gives up (the pool's waiters).
 
@@ -194,6 +201,7 @@ class ReplicaSlot:
         kept in :attr:`stop_failures`, not raised.
         """
         status = _Started(task_status, on_change)
+        rule = self.rule
         try:
             with self.scope:
                 while True:
