@@ -15,6 +15,7 @@ from omni_trio.testing import scripted_pipeline
 from .conftest import client_for, running_server
 
 STATES = ("starting", "ready", "draining", "dead", "restarting", "stopped")
+CRASH = "StageError: scripted crash at request 1"  # a scripted replica's last_error
 
 
 async def samples(http, name: str) -> dict[tuple[tuple[str, str], ...], float]:
@@ -56,13 +57,7 @@ async def test_a_stage_whose_only_replica_crashed_makes_health_503_naming_it():
         (dead,) = talker["replicas"]
         assert dead["replica"] == 0 and dead["state"] == "dead"
         assert dead["requests_in_flight"] == 0
-        # failures, restarts and last error are the pool's, passed through unchanged
-        (stats,) = engine.statistics().stage("talker").replicas
-        assert (dead["failures"], dead["restarts"], dead["last_error"]) == (
-            stats.failures,
-            stats.restarts,
-            stats.last_error,
-        )
+        assert (dead["failures"], dead["restarts"], dead["last_error"]) == (1, 0, CRASH)
         assert thinker["replicas"][0]["state"] == "ready"
         assert (body["requests_in_flight"], body["requests_waiting"], body["paused"]) == (
             0,
@@ -78,8 +73,39 @@ async def test_a_stage_whose_only_replica_crashed_makes_health_503_naming_it():
         healthy = await samples(http, "omni_trio_replica_healthy")
         assert healthy == {replica_key("thinker", 0): 1, replica_key("talker", 0): 0}
         failures = await samples(http, "omni_trio_replica_failures_total")
-        assert failures[replica_key("talker", 0)] == stats.failures
+        assert failures == {replica_key("thinker", 0): 0, replica_key("talker", 0): 1}
         assert (await samples(http, "omni_trio_stage_live_replicas"))[(("stage", "talker"),)] == 0
+
+
+async def test_a_replica_waiting_for_its_restart_is_named_in_health_and_metrics():
+    cfg = scripted_pipeline(
+        ["thinker", "talker"],
+        name="scripted",
+        outputs=2,
+        stage_options={"talker": {"crash_at_request": 1}},
+    )
+    # the restart is a minute away: the replica stays "restarting" for the whole test
+    overrides = {"talker": {"restart": "on-failure", "restart_backoff_s": 60.0}}
+    async with (
+        running_server(cfg, stage_overrides=overrides) as (engine, base),
+        client_for(base) as http,
+    ):
+        r = await http.post("/v1/completions", json={"model": "scripted", "prompt": "x"})
+        assert r.status_code == 500
+        r = await http.get("/health")
+        assert r.status_code == 503
+        body = r.json()
+        assert body["status"] == "unhealthy" and body["dead_stages"] == ["talker"]
+        assert body["message"].endswith(f"talker[0] restarting ({CRASH})")
+        (talker,) = body["stages"]["talker"]["replicas"]
+        assert (talker["state"], talker["failures"], talker["restarts"]) == ("restarting", 1, 0)
+        state = await samples(http, "omni_trio_replica_state")
+        assert state[replica_key("talker", 0, state="restarting")] == 1
+        assert state[replica_key("talker", 0, state="dead")] == 0
+        assert (await samples(http, "omni_trio_replica_restarts_total")) == {
+            replica_key("thinker", 0): 0,
+            replica_key("talker", 0): 0,
+        }
 
 
 async def test_one_dead_replica_of_two_is_degraded_but_healthy_and_still_serves():
