@@ -3,8 +3,12 @@ httpx client), and the pure ``health_report`` over constructed statistics."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from omni_trio.config import PipelineConfig
 from omni_trio.health import assess_health
 from omni_trio.outputs import EngineStatistics, ReplicaStatistics, StageStatistics
 from omni_trio.server.app import health_report
@@ -34,21 +38,31 @@ def replica_key(stage: str, replica: int, **extra: str) -> tuple[tuple[str, str]
     return tuple(sorted({"stage": stage, "replica": str(replica), **extra}.items()))
 
 
-async def test_a_stage_whose_only_replica_crashed_makes_health_503_naming_it():
-    cfg = scripted_pipeline(
+def crashing_talker() -> PipelineConfig:
+    """thinker -> talker, whose one replica crashes at its first request."""
+    return scripted_pipeline(
         ["thinker", "talker"],
         name="scripted",
         outputs=2,
         stage_options={"talker": {"crash_at_request": 1}},
     )
-    async with running_server(cfg) as (engine, base), client_for(base) as http:
-        r = await http.get("/health")
-        assert r.status_code == 200 and r.json()["status"] == "ok"
-        r = await http.post("/v1/completions", json={"model": "scripted", "prompt": "x"})
-        assert r.status_code == 500
-        r = await http.get("/health")
-        assert r.status_code == 503
-        body = r.json()
+
+
+async def crash_the_talker(http: httpx.AsyncClient) -> dict[str, Any]:
+    """Send the request that crashes the talker (a 500); return the 503 /health body."""
+    r = await http.get("/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    r = await http.post("/v1/completions", json={"model": "scripted", "prompt": "x"})
+    assert r.status_code == 500
+    r = await http.get("/health")
+    assert r.status_code == 503
+    body: dict[str, Any] = r.json()
+    return body
+
+
+async def test_a_stage_whose_only_replica_crashed_makes_health_503_naming_it():
+    async with running_server(crashing_talker()) as (engine, base), client_for(base) as http:
+        body = await crash_the_talker(http)
         assert body["status"] == "unhealthy" and body["dead_stages"] == ["talker"]
         assert body["message"].startswith("stage(s) talker have no ready replica: talker[0] dead")
         talker, thinker = body["stages"]["talker"], body["stages"]["thinker"]
@@ -78,23 +92,13 @@ async def test_a_stage_whose_only_replica_crashed_makes_health_503_naming_it():
 
 
 async def test_a_replica_waiting_for_its_restart_is_named_in_health_and_metrics():
-    cfg = scripted_pipeline(
-        ["thinker", "talker"],
-        name="scripted",
-        outputs=2,
-        stage_options={"talker": {"crash_at_request": 1}},
-    )
     # the restart is a minute away: the replica stays "restarting" for the whole test
     overrides = {"talker": {"restart": "on-failure", "restart_backoff_s": 60.0}}
     async with (
-        running_server(cfg, stage_overrides=overrides) as (engine, base),
+        running_server(crashing_talker(), stage_overrides=overrides) as (engine, base),
         client_for(base) as http,
     ):
-        r = await http.post("/v1/completions", json={"model": "scripted", "prompt": "x"})
-        assert r.status_code == 500
-        r = await http.get("/health")
-        assert r.status_code == 503
-        body = r.json()
+        body = await crash_the_talker(http)
         assert body["status"] == "unhealthy" and body["dead_stages"] == ["talker"]
         assert body["message"].endswith(f"talker[0] restarting ({CRASH})")
         (talker,) = body["stages"]["talker"]["replicas"]
