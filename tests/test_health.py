@@ -366,3 +366,24 @@ async def test_one_dead_replica_of_three_degrades_the_stage_and_the_others_serve
         outs = await engine.generate("y").collect()
         assert outs[-1].finished and not outs[-1].aborted
         assert engine.check_health().status == "degraded"
+
+
+async def test_a_request_waiting_for_a_replica_slot_is_counted_on_its_stage(autojump_clock):
+    cfg = scripted_pipeline(["a"], outputs=3, latency_s=1.0)
+    overrides = {"a": {"max_in_flight_per_replica": 1}}
+    async with omni_trio.open_engine(cfg, stage_overrides=overrides) as engine:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.generate("x").collect)
+            nursery.start_soon(engine.generate("y").collect)
+            for _ in range(1000):
+                if engine.check_health().stage("a").requests_waiting:
+                    break
+                await trio.lowlevel.checkpoint()
+            report = engine.check_health()
+            a = report.stage("a")
+            assert (a.requests_waiting, a.requests_in_flight) == (1, 1)
+            assert a.replicas[0].requests_in_flight == 1
+            # a full replica is busy, not unhealthy
+            assert report.status == "ok" and report.requests_in_flight == 2
+        idle = engine.check_health()
+        assert (idle.stage("a").requests_waiting, idle.requests_in_flight) == (0, 0)
