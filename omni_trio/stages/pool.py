@@ -88,6 +88,7 @@ class StagePool:
             wait_timeout=config.replica_wait_timeout_s,
         )
         self._nursery: trio.Nursery | None = None  # while serving
+        self._change = trio.Event()  # set (and replaced) whenever a replica's state changes
 
     def _new_backend(self, index: int) -> StageBackend:
         backend = self._factory(self.config, stage_index=self.stage_index, replica=index)
@@ -159,7 +160,7 @@ class StagePool:
             starters.cancel_scope.cancel()  # the siblings' starts stop now, not at the slowest
 
     async def _serve_slot(self, slot: ReplicaSlot, *, task_status: trio.TaskStatus[None]) -> None:
-        await slot.serve(self._new_backend, self._binder.wake, task_status=task_status)
+        await slot.serve(self._new_backend, self._changed, task_status=task_status)
 
     def _in_replica_order(
         self, failures: list[tuple[str, BaseException]]
@@ -203,13 +204,13 @@ class StagePool:
             await nursery.start(self._serve_slot, slot)
         except Exception as exc:
             self._slots.remove(slot)
-            self._binder.wake()
+            self._changed()
             raise StageStartError(
                 self.stage_id, f"added replica {slot.backend.name}: {type(exc).__name__}: {exc}"
             ) from exc
         except BaseException:
             self._slots.remove(slot)
-            self._binder.wake()
+            self._changed()
             raise
         return index
 
@@ -234,7 +235,7 @@ class StagePool:
                 + f"; its replicas are {[s.index for s in self._slots if not s.draining]}"
             )
         slot.start_draining()
-        self._binder.wake()
+        self._changed()
         try:
             with trio.move_on_after(drain_timeout):
                 await slot.wait_drained()
@@ -253,12 +254,25 @@ class StagePool:
                 slot.scope.cancel()
                 await slot.ended.wait()
                 self._slots.remove(slot)
-                self._binder.wake()
+                self._changed()
         if slot.stop_failures:
             raise StageStopError(slot.stop_failures) from group_causes(
                 f"stage {self.stage_id!r}: replica stop failures",
                 [exc for _, exc in slot.stop_failures],
             )
+
+    def _changed(self) -> None:
+        # a replica became ready, restarting, dead, draining, or joined or left the pool
+        self._binder.wake()
+        self._change.set()
+        self._change = trio.Event()
+
+    async def wait_settled(self) -> None:
+        """Wait until no replica is starting or restarting (each is ready, draining or dead
+        for good); event-driven. Always checkpoints."""
+        await trio.lowlevel.checkpoint()
+        while any(slot.pending for slot in self._slots):
+            await self._change.wait()
 
     def _slot(self, index: int) -> ReplicaSlot | None:
         for slot in self._slots:

@@ -308,6 +308,79 @@ async def test_cancelled_start_kills_the_half_built_engine() -> None:
 
 
 # -- engine-level -------------------------------------------------------------------------
+async def test_a_killed_engine_core_fails_only_its_requests_and_is_restarted() -> None:
+    config = {
+        "stages": [
+            {
+                "id": "thinker",
+                "backend": "vllm",
+                "engine_args": THINKER,
+                "final_output": True,
+                "default_sampling_params": GREEDY,
+                "replicas": 2,
+                "restart": "on-failure",
+                "restart_backoff_s": 0.5,
+                "options": {"cpu_bind": ["0", "1"]},
+            }
+        ]
+    }
+    long = {"thinker": {**GREEDY, "max_tokens": 200}}
+    async with omni_trio.open_engine(config) as engine:
+        pool = engine.pools["thinker"]
+        old_pids = [list(b.core_pids) for b in pool.replicas]
+        results: dict[str, object] = {}
+        streaming: set[str] = set()
+        all_streaming = trio.Event()
+
+        async def one(rid: str) -> None:
+            try:
+                async with engine.generate("hi", request_id=rid, sampling_params=long) as stream:
+                    async for _out in stream:
+                        streaming.add(rid)
+                        if len(streaming) == 4:
+                            all_streaming.set()
+            except ReplicaDeadError as exc:
+                results[rid] = exc
+            else:
+                results[rid] = "ok"
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, f"r{i}")
+            await all_streaming.wait()
+            bound = {rid: pool.replica_of(rid) for rid in streaming}
+            victims = {rid for rid, b in bound.items() if b is not None and b.replica == 0}
+            assert len(victims) == 2  # least_loaded spread them 2 + 2
+            os.kill(pool.replica(0).core_pids[0], signal.SIGKILL)
+        failed = {rid for rid, r in results.items() if r != "ok"}
+        assert failed == victims
+        assert all(getattr(results[rid], "replica", None) == 0 for rid in failed)
+        with trio.fail_after(180):
+            await pool.wait_settled()
+        stats = pool.statistics()
+        assert [r.state for r in stats.replicas] == ["ready", "ready"]
+        assert [(r.restarts, r.failures) for r in stats.replicas] == [(1, 1), (0, 0)]
+        assert "EngineCore" in (stats.replicas[0].last_error or "")
+        assert list(pool.replica(0).core_pids) != old_pids[0]
+        assert engine.check_health().status == "ok"
+        # later requests use both replicas again
+        before = [r.requests_finished for r in stats.replicas]
+        short = {"thinker": {**GREEDY, "max_tokens": 8}}
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(
+                    lambda rid: engine.generate(
+                        "hi", request_id=rid, sampling_params=short
+                    ).collect(),
+                    f"later{i}",
+                )
+        after = [r.requests_finished for r in pool.statistics().replicas]
+        assert after[0] > before[0] and after[1] > before[1]
+        assert engine.statistics().stage_requests_in_flight == 0
+    assert leftover_engine_processes() == []
+    assert our_threads() == []
+
+
 async def test_open_engine_one_and_two_stage_pipelines_match_hand_driven() -> None:
     config = {
         "name": "tiny-llm-chain",
