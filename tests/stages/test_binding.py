@@ -276,3 +276,38 @@ async def test_cancel_at_every_checkpoint_while_waiting_for_a_replica_slot(autoj
         report.raise_if_failed()
         assert report.runs == report.checkpoints + 1 >= 6
         assert_nothing_in_flight(engine)
+
+
+async def test_a_slow_consumer_slows_only_itself(autojump_clock):
+    # 2 stages x 2 replicas, a small window: one consumer stops reading after its first
+    # output while 8 others share the same replicas
+    cfg = pipeline(
+        stage("a", 2, options={"latency_s": 0.1, "outputs": 20}),
+        stage("b", 2, options={"latency_s": 0.1, "outputs": 20}),
+        output_buffer=2,
+    )
+
+    async def timed(engine, rid, took):
+        t0 = trio.current_time()
+        await run(engine, rid)
+        took[rid] = trio.current_time() - t0
+
+    async with open_engine(cfg) as engine:
+        alone = {}
+        await timed(engine, "alone", alone)
+        took = {}
+        async with engine.generate("hi", request_id="slow") as slow:
+            await slow.receive()
+            async with trio.open_nursery() as nursery:
+                for i in range(8):
+                    nursery.start_soon(timed, engine, f"r{i}", took)
+            # every other request took what it takes alone (the replicas are not batching
+            # engines: a request's time is its own latency), while "slow" is held back
+            assert len(took) == 8
+            assert all(t == pytest.approx(alone["alone"]) for t in took.values())
+            info = engine.orchestrator.request_info("slow")
+            assert info is not None and info.status == "running"
+            assert info.outputs_queued <= 2  # bounded by its window, not running ahead
+            rest = [out async for out in slow]
+        assert rest[-1].finished and len(rest) + 1 == 20
+        assert_nothing_in_flight(engine)
