@@ -19,10 +19,13 @@
    finished (``memory_3_stages_in_last``: their outputs are kept for ``abort()``), and one
    stage (``memory_1_stage``).
 5. The engine's CPU time while idle (``idle``).
+6. With ``--replicas``: replica pools under load (``replicas``): balancing policies, a replica
+   killed (with and without restart) and one added mid-run; see bench_replicas.py, which
+   runs them on its own too.
 
 ``targets`` judges issue 9's model-free targets on these figures.
 
-    python benchmarks/bench_orchestrator.py [--passes 3] [--fake-requests 64] [--quick]
+    python benchmarks/bench_orchestrator.py [--passes 3] [--fake-requests 64] [--quick] [--replicas]
 """
 
 from __future__ import annotations
@@ -552,6 +555,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         }
     results["idle"] = {k: round(v, 4) for k, v in (await idle_cpu(args.idle_seconds)).items()}
     results["targets"] = targets(results)
+    if args.replicas:
+        import bench_replicas  # benchmarks/ is on sys.path: this file runs as a script
+
+        shape = bench_replicas.Shape(requests=100 if args.quick else 1000)
+        results["replicas"] = await bench_replicas.replica_cells(shape, args.passes)
     return results
 
 
@@ -562,4 +570,7 @@ if __name__ == "__main__":
     parser.add_argument("--fake-requests", type=int, default=64)
     parser.add_argument("--idle-seconds", type=float, default=5.0)
     parser.add_argument("--quick", action="store_true", help="smaller sizes (for smoke runs)")
+    parser.add_argument(
+        "--replicas", action="store_true", help="also the replica pool cells (bench_replicas.py)"
+    )
     print(json.dumps(trio.run(main, parser.parse_args()), indent=2))
