@@ -214,7 +214,7 @@ class Engine:
         rid = request_id if request_id is not None else self.orchestrator.new_request_id()
         if not isinstance(rid, str) or not rid:
             raise InvalidRequestError("request_id must be a non-empty string")
-        return RequestStream(self.orchestrator.submit, rid, first, plan, params)
+        return RequestStream(self.orchestrator, rid, first, plan, params)
 
     @overload
     async def abort(self, request_id: str) -> list[OmniOutput]: ...  # type: ignore[overload-overlap]
@@ -318,6 +318,32 @@ class Engine:
             )
         return results
 
+    # -- admission -----------------------------------------------------------------------------
+    async def pause(self) -> None:
+        """Hold new admissions until :meth:`resume`: entering a stream waits (``admission:
+        wait``, first-in first-out, counted in ``statistics().requests_waiting``) or raises
+        :class:`EngineOverloadedError` (``admission: reject``), even with room. Requests in
+        flight go on: it returns once the pause is in effect and does not wait for them
+        (:func:`omni_trio.testing.wait_until_idle` does). Idempotent (pauses do not nest).
+
+        Always checkpoints; cancelled, nothing is paused. Raises :class:`EngineClosedError`
+        when the engine is not open.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self._check_open()
+        except EngineClosedError:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            raise
+        self.orchestrator.admission.pause()
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def resume(self) -> None:
+        """End :meth:`pause`: waiting admissions are let in, first-in first-out, as far as
+        ``max_requests_in_flight`` allows (the rest wait for room as usual). Synchronous;
+        idempotent, a no-op when not paused or closed."""
+        self.orchestrator.admission.resume()
+
     # -- membership ----------------------------------------------------------------------------
     async def _membership_stage(self, stage: str | int, what: str) -> str:
         # the checks of add/remove_replica: a schedule point on the refusal paths too
@@ -377,8 +403,10 @@ class Engine:
         return self.config.stage_ids
 
     def statistics(self) -> EngineStatistics:
-        """A frozen snapshot: request counters and every stage's in-flight counts."""
+        """A frozen snapshot: request counters, admissions waiting, paused, and every stage's
+        in-flight counts."""
         orch = self.orchestrator
+        admission = orch.admission
         return EngineStatistics(
             requests_in_flight=orch.requests_in_flight,
             requests_finished=orch.n_finished,
@@ -387,6 +415,8 @@ class Engine:
             requests_total=orch.n_total,
             closed=self.closed,
             stages=self.stages.statistics(),
+            requests_waiting=admission.waiting,
+            paused=admission.paused,
         )
 
     def check_health(self) -> HealthReport:

@@ -9,6 +9,11 @@ outputs go). Every channel is bounded; no timer, no polling. When the request ta
 terminal outputs (or its error) are queued to the consumer through the same queue as every
 other output, and nothing of the request remains here or in any stage.
 
+Admission goes through one :class:`~omni_trio.admission.AdmissionGate`
+(``max_requests_in_flight``; at the limit wait first-in first-out or reject; pause/resume):
+``submit_nowait`` admits synchronously when there is room, ``submit`` waits for it; a request
+gives its slot back when its task ends.
+
 The consumer gets a :class:`RequestHandle`: receive, cancel, cancel-and-wait, status. It never
 reads or writes the request's state.
 """
@@ -21,12 +26,9 @@ from collections.abc import Mapping
 
 import trio
 
+from .admission import AdmissionGate
 from .config import PipelineConfig
-from .errors import (
-    DuplicateRequestError,
-    EngineClosedError,
-    EngineOverloadedError,
-)
+from .errors import DuplicateRequestError, EngineClosedError, OmniTrioError
 from .observer import ObserverSet
 from .outputs import OmniOutput, SamplingParams, StageInput
 from .planning import RequestPlan
@@ -50,7 +52,12 @@ class Orchestrator:
         self._nursery: trio.Nursery | None = None
         self._closing = trio.Event()
         self._requests: dict[str, Request] = {}
+        self._waiting_ids: set[str] = set()  # requests waiting for admission
         self._ids = itertools.count()
+        #: the admission limit, its queue and pause (``max_requests_in_flight``, ``admission``)
+        self.admission = AdmissionGate(
+            config.max_requests_in_flight, config.admission, config.max_waiting
+        )
         self._processors: dict[str, InputProcessor] = {
             st.id: load_processor(
                 st.input_processor, where=f"$.stages[{i}].input_processor", source=config.source
@@ -83,27 +90,74 @@ class Orchestrator:
     def new_request_id(self) -> str:
         return f"omni-{next(self._ids)}"
 
-    def submit(
+    def _nursery_for(self, request_id: str) -> trio.Nursery:
+        # where a new request's task goes; raises if it may not start
+        if self.closed or self._nursery is None:
+            raise EngineClosedError("the engine is closed; it accepts no new requests")
+        if request_id in self._requests or request_id in self._waiting_ids:
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
+        return self._nursery
+
+    def submit_nowait(
         self,
         request_id: str,
         first_input: StageInput,
         plan: RequestPlan,
         params: Mapping[str, SamplingParams],
     ) -> RequestHandle:
-        """Admit a request and start its task. Synchronous (no checkpoint).
+        """Admit a request now and start its task. Synchronous (no checkpoint).
 
-        Raises EngineClosedError, EngineOverloadedError, DuplicateRequestError.
+        Raises ``trio.WouldBlock`` (nothing admitted) when it would have to wait for room
+        (``admission: wait`` at ``max_requests_in_flight``, or paused): :meth:`submit` waits.
+        Raises EngineClosedError, EngineOverloadedError (``reject`` at the limit or paused,
+        or ``max_waiting`` admissions already wait), DuplicateRequestError.
         """
-        if self.closed or self._nursery is None:
-            raise EngineClosedError("the engine is closed; it accepts no new requests")
-        if request_id in self._requests:
-            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
-        limit = self.config.max_requests_in_flight
-        if len(self._requests) >= limit:
-            raise EngineOverloadedError(
-                f"{len(self._requests)} requests in flight, the limit "
-                f"(max_requests_in_flight) is {limit}"
-            )
+        nursery = self._nursery_for(request_id)
+        self.admission.admit_nowait()
+        return self._start(nursery, request_id, first_input, plan, params)
+
+    async def submit(
+        self,
+        request_id: str,
+        first_input: StageInput,
+        plan: RequestPlan,
+        params: Mapping[str, SamplingParams],
+    ) -> RequestHandle:
+        """Admit a request, waiting first-in first-out for room, and start its task.
+
+        Always checkpoints. Cancelled before it is admitted (also while it waits), nothing is
+        admitted and nothing of it stays queued; once admitted, it returns with no checkpoint
+        in between (the caller always gets the handle to end the request with). A waiting
+        request's id counts as in flight. Raises EngineClosedError (also when the engine
+        closes while it waits), EngineOverloadedError, DuplicateRequestError.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self._nursery_for(request_id)  # refused before it waits, not after
+        except OmniTrioError:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            raise
+        self._waiting_ids.add(request_id)
+        try:
+            await self.admission.admit()
+        finally:
+            self._waiting_ids.discard(request_id)
+        try:
+            nursery = self._nursery_for(request_id)  # the engine may have closed meanwhile
+        except OmniTrioError:
+            self.admission.release()  # the slot goes to the next waiter, if any
+            raise
+        return self._start(nursery, request_id, first_input, plan, params)
+
+    def _start(
+        self,
+        nursery: trio.Nursery,
+        request_id: str,
+        first_input: StageInput,
+        plan: RequestPlan,
+        params: Mapping[str, SamplingParams],
+    ) -> RequestHandle:
+        # the caller took a slot for it; _finish gives it back
         req = Request(
             request_id, plan, first_input, params, self.config.output_buffer, self._runner.output
         )
@@ -111,7 +165,7 @@ class Orchestrator:
         self.n_total += 1
         if self.observers:
             self.observers.emit("request_started", request_id)
-        self._nursery.start_soon(self._run_request, req, name=request_id)
+        nursery.start_soon(self._run_request, req, name=request_id)
         return RequestHandle(req)
 
     # -- the request task ----------------------------------------------------------------------
@@ -134,6 +188,7 @@ class Orchestrator:
         else:
             self.n_finished += 1
         del self._requests[req.request_id]
+        self.admission.release()
         if self.observers:
             self.observers.emit("request_finished", req.request_id, status)
 
@@ -161,9 +216,10 @@ class Orchestrator:
         return await req.abort()
 
     def close(self) -> None:
-        """Stop admission and abort every request. Synchronous; :meth:`serve` returns once
-        they all ended. Idempotent."""
+        """Stop admission (waiting admissions fail with EngineClosedError) and abort every
+        request. Synchronous; :meth:`serve` returns once they all ended. Idempotent."""
         self.closed = True
+        self.admission.close()
         for req in list(self._requests.values()):
             req.request_abort()
         self._closing.set()
@@ -186,6 +242,7 @@ class Orchestrator:
     def __repr__(self) -> str:
         return (
             f"<Orchestrator {self.config.name!r} in_flight={len(self._requests)} "
+            f"waiting={self.admission.waiting}{' paused' if self.admission.paused else ''} "
             f"finished={self.n_finished} aborted={self.n_aborted} failed={self.n_failed}"
             f"{' closed' if self.closed else ''}>"
         )

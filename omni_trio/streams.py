@@ -14,8 +14,9 @@ cancel-and-wait, status); the request itself is owned by the orchestrator.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -24,9 +25,10 @@ from .outputs import OmniOutput, SamplingParams, StageInput
 from .planning import RequestPlan
 from .requests import RequestHandle
 
-__all__ = ["RequestStream"]
+if TYPE_CHECKING:
+    from .orchestrator import Orchestrator
 
-Submit = Callable[[str, StageInput, RequestPlan, Mapping[str, SamplingParams]], RequestHandle]
+__all__ = ["RequestStream"]
 
 
 class RequestStream:
@@ -34,13 +36,13 @@ class RequestStream:
 
     def __init__(
         self,
-        submit: Submit,
+        orchestrator: Orchestrator,
         request_id: str,
         first_input: StageInput,
         plan: RequestPlan,
         params: Mapping[str, SamplingParams],
     ) -> None:
-        self._submit = submit
+        self._orchestrator = orchestrator
         self.request_id = request_id
         self._first = first_input
         self.plan = plan
@@ -51,16 +53,32 @@ class RequestStream:
     async def _admit(self) -> RequestHandle:
         # Check for cancellation, then admit with no checkpoint in between (a cancelled
         # consumer never admits a request, an admitted one always gets to its __aexit__), then
-        # a schedule point on every path, refusals included.
+        # a schedule point on every path, refusals included. With room this is synchronous
+        # (no task switch before the request starts); without, the admission waits in line,
+        # and that wait is the checkpoint: cancelled there, nothing is admitted, and once
+        # admitted, submit() returns the handle with no checkpoint in between.
         await trio.lowlevel.checkpoint_if_cancelled()
-        if self._handle is None:
+        handle = self._handle
+        if handle is None:
             try:
-                self._handle = self._submit(self.request_id, self._first, self.plan, self._params)
+                handle = self._orchestrator.submit_nowait(
+                    self.request_id, self._first, self.plan, self._params
+                )
+            except trio.WouldBlock:
+                pass
             except OmniTrioError:
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 raise
+            if handle is None:
+                # no room: wait in line (outside the except block: its errors are its own)
+                handle = await self._orchestrator.submit(
+                    self.request_id, self._first, self.plan, self._params
+                )
+                self._handle = handle
+                return handle
+            self._handle = handle
         await trio.lowlevel.cancel_shielded_checkpoint()
-        return self._handle
+        return handle
 
     @property
     def status(self) -> str:
@@ -68,9 +86,12 @@ class RequestStream:
         return "pending" if self._handle is None else self._handle.status
 
     async def __aenter__(self) -> RequestStream:
-        """Admit the request. Always checkpoints: cancelled before admission, nothing is
-        admitted; once admitted, ``__aexit__`` is guaranteed to run. Raises
-        EngineClosedError, EngineOverloadedError, DuplicateRequestError."""
+        """Admit the request; at ``max_requests_in_flight`` (or while the engine is paused)
+        it waits first-in first-out under ``admission: wait``. Always checkpoints: cancelled
+        before admission (also while waiting), nothing is admitted and nothing stays queued;
+        once admitted, ``__aexit__`` is guaranteed to run. Raises EngineClosedError (also when
+        the engine closes while it waits), EngineOverloadedError (``admission: reject`` at the
+        limit or paused, or ``max_waiting`` admissions already wait), DuplicateRequestError."""
         await self._admit()
         self._in_context = True
         return self

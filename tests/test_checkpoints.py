@@ -87,7 +87,9 @@ async def test_leaving_an_ended_request_checkpoints_and_is_not_cancellable(autoj
 
 
 async def test_refused_admission_checkpoints_and_leaves_nothing(autojump_clock):
-    cfg = scripted_pipeline(1, hang=True, engine_options={"max_requests_in_flight": 1})
+    cfg = scripted_pipeline(
+        1, hang=True, engine_options={"max_requests_in_flight": 1, "admission": "reject"}
+    )
     async with omni_trio.open_engine(cfg) as engine:
         async with engine.generate("x", request_id="r"):
             with assert_checkpoints(), pytest.raises(omni_trio.DuplicateRequestError):

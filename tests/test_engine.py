@@ -149,7 +149,9 @@ async def test_body_exception_propagates_unwrapped(autojump_clock):
 
 
 async def test_overload_is_a_clear_error(autojump_clock):
-    cfg = scripted_pipeline(1, hang=True, engine_options={"max_requests_in_flight": 2})
+    cfg = scripted_pipeline(
+        1, hang=True, engine_options={"max_requests_in_flight": 2, "admission": "reject"}
+    )
     async with omni_trio.open_engine(cfg) as engine:
         async with engine.generate("a"), engine.generate("b"):
             with pytest.raises(EngineOverloadedError, match="max_requests_in_flight.*2"):

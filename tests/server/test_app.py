@@ -168,7 +168,10 @@ async def test_bad_requests_get_400_with_an_openai_error_body():
 
 async def test_overload_is_429_and_the_openai_client_sees_a_rate_limit_error():
     cfg = scripted_pipeline(
-        ["thinker"], name="scripted", hang=True, engine_options={"max_requests_in_flight": 1}
+        ["thinker"],
+        name="scripted",
+        hang=True,
+        engine_options={"max_requests_in_flight": 1, "admission": "reject"},
     )
     async with running_server(cfg) as (engine, base), client_for(base) as http:
         body = {"model": "scripted", "messages": MSG, "stream": True}
