@@ -222,7 +222,12 @@ async def test_pause_with_reject_refuses_and_pause_after_close_raises(autojump_c
         cfg = scripted_pipeline(1, outputs=1, engine_options=limited(4, admission="reject"))
         engine = omni_trio.open_engine(cfg)
         async with engine:
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await engine.pause()  # cancelled before it took effect: nothing paused
+            assert scope.cancelled_caught and not engine.statistics().paused
             await engine.pause()
+            assert engine.statistics().paused
             with assert_checkpoints(), pytest.raises(EngineOverloadedError, match="paused"):
                 await engine.generate("x").__aenter__()
             engine.resume()
