@@ -24,6 +24,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from .config import PipelineConfig
 from .engine import Engine
 from .engine import open_engine as _open_engine
+from .health import HealthReport
 from .outputs import EngineStatistics, OmniOutput
 
 __all__ = ["SyncEngine", "open_engine"]
@@ -78,6 +79,26 @@ class SyncEngine:
 
     def statistics(self) -> EngineStatistics:
         return self._portal.call(self.engine.statistics)
+
+    def check_health(self) -> HealthReport:
+        """``Engine.check_health``: the frozen health report."""
+        return self._portal.call(self.engine.check_health)
+
+    def pause(self) -> None:
+        """``Engine.pause``, blocking until the pause is in effect."""
+        self._portal.call(self.engine.pause)
+
+    def resume(self) -> None:
+        """``Engine.resume``."""
+        self._portal.call(self.engine.resume)
+
+    def add_replica(self, stage: str | int) -> int:
+        """``Engine.add_replica``: blocks until the new replica is ready; its index."""
+        return self._portal.call(self.engine.add_replica, stage)
+
+    def remove_replica(self, stage: str | int, index: int, drain_timeout: float = 30.0) -> None:
+        """``Engine.remove_replica``: blocks until the replica drained and stopped."""
+        self._portal.call(self.engine.remove_replica, stage, index, drain_timeout)
 
     def __repr__(self) -> str:
         return f"<SyncEngine {self.engine!r}>"

@@ -30,3 +30,18 @@ def test_sync_early_break_aborts():
         stats = engine.statistics()
         assert stats.requests_in_flight == 0
         assert stats.requests_aborted == 1
+
+
+def test_sync_membership_pause_and_health():
+    cfg = scripted_pipeline(["a"], outputs=2)
+    with omni_trio.sync.open_engine(cfg) as engine:
+        assert engine.add_replica("a") == 1
+        assert engine.check_health().stage("a").live_replicas == 2
+        engine.remove_replica("a", 0, drain_timeout=1.0)
+        assert [r.replica for r in engine.statistics().stage("a").replicas] == [1]
+        engine.pause()
+        assert engine.statistics().paused
+        engine.resume()
+        assert not engine.statistics().paused
+        assert list(engine.generate("x"))[-1].finished
+        assert engine.check_health().status == "ok"
