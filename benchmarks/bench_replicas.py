@@ -35,8 +35,10 @@ time, about 280 requests/s on this machine) and a kill or an add did not show. T
 orchestrator's CPU per request is about 3.5-4.5 ms here, so the loop is about a third
 busy. Read the policy figures with this in mind: when every slot is taken, a freed slot
 goes to the first waiter, on the replica that freed it, whatever the policy, so at
-saturation the policies differ by their CPU cost and spread, not by latency (``--slots
-0``: no limit, and the policy alone spreads the requests). The machine is shared: compare
+saturation the policies differ by their CPU cost and spread, not by latency. ``--slots 0``
+(no limit) shows the policies' own spread, but there every request runs at once and they
+all finish together, CPU-bound, so the kill and add cells fire with nothing left in flight
+(0 bound, 0 lost, the added replica serves none). The machine is shared: compare
 CPU-time figures and the interleaved medians (every pass runs every cell, in an order
 rotated per pass).
 
