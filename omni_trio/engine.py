@@ -38,6 +38,7 @@ from typing import overload
 import trio
 
 from .config import PipelineConfig, check_vllm_stages, load_config
+from .context import RequestContext, check_request_options
 from .errors import (
     EngineClosedError,
     InvalidRequestError,
@@ -196,6 +197,12 @@ class Engine:
         sampling_params: SamplingParams = None,
         final_stage_id: str | int | None = None,
         output_stages: Sequence[str | int] | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        lora_request: Payload = None,
+        trace_headers: Mapping[str, str] | None = None,
+        tokenization_kwargs: Mapping[str, Payload] | None = None,
     ) -> RequestStream:
         """Check a request and return its output stream; it is admitted when the stream is
         entered or first iterated.
@@ -206,6 +213,11 @@ class Engine:
         :class:`EngineOverloadedError` or :class:`DuplicateRequestError`. Use ``async with
         engine.generate(...) as stream: async for out in stream``; leaving the block early, or
         being cancelled, aborts the request in every stage before ``__aexit__`` returns.
+
+        ``priority``, ``arrival_time``, ``lora_request``, ``trace_headers`` and
+        ``tokenization_kwargs`` travel with the request in its
+        :class:`~omni_trio.context.RequestContext`: vllm stages hand them to vLLM, other
+        backends may read them (``StageBackend.request_context``).
         """
         self._check_open()
         first = prompt_to_input(prompt)
@@ -214,7 +226,18 @@ class Engine:
         rid = request_id if request_id is not None else self.orchestrator.new_request_id()
         if not isinstance(rid, str) or not rid:
             raise InvalidRequestError("request_id must be a non-empty string")
-        return RequestStream(self.orchestrator, rid, first, plan, params)
+        check_request_options(priority, arrival_time, trace_headers, tokenization_kwargs)
+        context = RequestContext(
+            rid,
+            prompt,
+            params,
+            priority,
+            arrival_time,
+            lora_request,
+            trace_headers,
+            tokenization_kwargs,
+        )
+        return RequestStream(self.orchestrator, rid, first, plan, context)
 
     @overload
     async def abort(self, request_id: str) -> list[OmniOutput]: ...  # type: ignore[overload-overlap]

@@ -28,9 +28,10 @@ import trio
 
 from .admission import AdmissionGate
 from .config import PipelineConfig
+from .context import RequestContext
 from .errors import DuplicateRequestError, EngineClosedError, OmniTrioError
 from .observer import ObserverSet
-from .outputs import OmniOutput, SamplingParams, StageInput
+from .outputs import OmniOutput, StageInput
 from .planning import RequestPlan
 from .requests import Request, RequestHandle, RequestInfo
 from .routing import StageFeed
@@ -103,7 +104,7 @@ class Orchestrator:
         request_id: str,
         first_input: StageInput,
         plan: RequestPlan,
-        params: Mapping[str, SamplingParams],
+        context: RequestContext,
     ) -> RequestHandle:
         """Admit a request now and start its task. Synchronous (no checkpoint).
 
@@ -114,14 +115,14 @@ class Orchestrator:
         """
         nursery = self._nursery_for(request_id)
         self.admission.admit_nowait()
-        return self._start(nursery, request_id, first_input, plan, params)
+        return self._start(nursery, request_id, first_input, plan, context)
 
     async def submit(
         self,
         request_id: str,
         first_input: StageInput,
         plan: RequestPlan,
-        params: Mapping[str, SamplingParams],
+        context: RequestContext,
     ) -> RequestHandle:
         """Admit a request, waiting first-in first-out for room, and start its task.
 
@@ -147,7 +148,7 @@ class Orchestrator:
         except OmniTrioError:
             self.admission.release()  # the slot goes to the next waiter, if any
             raise
-        return self._start(nursery, request_id, first_input, plan, params)
+        return self._start(nursery, request_id, first_input, plan, context)
 
     def _start(
         self,
@@ -155,11 +156,11 @@ class Orchestrator:
         request_id: str,
         first_input: StageInput,
         plan: RequestPlan,
-        params: Mapping[str, SamplingParams],
+        context: RequestContext,
     ) -> RequestHandle:
         # the caller took a slot for it; _finish gives it back
         req = Request(
-            request_id, plan, first_input, params, self.config.output_buffer, self._runner.output
+            request_id, plan, first_input, context, self.config.output_buffer, self._runner.output
         )
         self._requests[request_id] = req
         self.n_total += 1

@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import outcome
 import trio
 
+from .context import RequestContext
 from .errors import OmniTrioError, StageError
 from .failures import request_error
 from .lifecycle import RequestLifecycle, RequestStatus
-from .outputs import FINISH_ABORT, OmniOutput, SamplingParams, StageInput, StageOutput
+from .outputs import FINISH_ABORT, OmniOutput, StageInput, StageOutput
 from .planning import RequestPlan
 from .transport.queue import OutputQueue
 
@@ -66,6 +67,7 @@ class Request:
 
     __slots__ = (
         "_convert",
+        "context",
         "_done",
         "_ended",
         "_error",
@@ -83,14 +85,16 @@ class Request:
         request_id: str,
         plan: RequestPlan,
         first_input: StageInput,
-        params: Mapping[str, SamplingParams],
+        context: RequestContext,
         window: int,
         convert: Convert,
     ) -> None:
         self._convert = convert
         self.plan = plan
         self.first_input = first_input
-        self.params = params
+        self.context = context
+        #: every stage's sampling params (the context's, read per stage run)
+        self.params = context.sampling_params
         self.lifecycle = RequestLifecycle(request_id, plan.outputs)
         self.lifecycle.start()
         self.queue: OutputQueue[_Item] = OutputQueue(window)

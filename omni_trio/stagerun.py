@@ -316,7 +316,9 @@ class StageRunner:
                     # no replica takes it now: wait (FIFO) for a slot or a restarting one
                     backend = await pool.bind(rid)
                 try:
-                    await backend.run_request(rid, inputs, req.params[sid], emit, streamed=streamed)
+                    await backend.run_request(
+                        rid, inputs, req.params[sid], emit, streamed=streamed, context=req.context
+                    )
                 finally:
                     pool.release(rid)
         except StageAborted:

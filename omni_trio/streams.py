@@ -14,14 +14,15 @@ cancel-and-wait, status); the request itself is owned by the orchestrator.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 import trio
 
+from .context import RequestContext
 from .errors import OmniTrioError
-from .outputs import OmniOutput, SamplingParams, StageInput
+from .outputs import OmniOutput, StageInput
 from .planning import RequestPlan
 from .requests import RequestHandle
 
@@ -40,13 +41,13 @@ class RequestStream:
         request_id: str,
         first_input: StageInput,
         plan: RequestPlan,
-        params: Mapping[str, SamplingParams],
+        context: RequestContext,
     ) -> None:
         self._orchestrator = orchestrator
         self.request_id = request_id
         self._first = first_input
         self.plan = plan
-        self._params = params
+        self.context = context
         self._handle: RequestHandle | None = None
         self._in_context = False
 
@@ -62,7 +63,7 @@ class RequestStream:
         if handle is None:
             try:
                 handle = self._orchestrator.submit_nowait(
-                    self.request_id, self._first, self.plan, self._params
+                    self.request_id, self._first, self.plan, self.context
                 )
             except trio.WouldBlock:
                 pass
@@ -72,7 +73,7 @@ class RequestStream:
             if handle is None:
                 # no room: wait in line (outside the except block: its errors are its own)
                 handle = await self._orchestrator.submit(
-                    self.request_id, self._first, self.plan, self._params
+                    self.request_id, self._first, self.plan, self.context
                 )
                 self._handle = handle
                 return handle

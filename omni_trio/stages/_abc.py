@@ -49,6 +49,7 @@ from ._requests import RunningRequest, request_outcome
 
 if TYPE_CHECKING:
     from ..config import StageConfig
+    from ..context import RequestContext
 
 __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT",
@@ -314,12 +315,15 @@ class StageBackend(abc.ABC):
         emit: Emit,
         *,
         streamed: bool = True,
+        context: RequestContext | None = None,
     ) -> None:
         """Run one request on this replica, streaming its outputs through ``emit``.
 
         ``streamed=False`` says nobody needs the outputs as they come (no caller streams this
         stage, no downstream stage takes streamed input): the backend may then emit its
-        finished output only (:meth:`outputs_streamed` tells ``_run``).
+        finished output only (:meth:`outputs_streamed` tells ``_run``). ``context`` is the
+        request's :class:`~omni_trio.context.RequestContext` (:meth:`request_context` gives
+        it to ``_run``).
 
         Checkpoints. Cancelling the caller aborts the request here before returning.
         Raises :class:`ReplicaDeadError` if the replica is or becomes dead,
@@ -337,7 +341,9 @@ class StageBackend(abc.ABC):
                 stage_id=self.stage_id,
                 request_id=request_id,
             )
-        running = RunningRequest(request_id, self.stage_id, self.name, streamed=streamed)
+        running = RunningRequest(
+            request_id, self.stage_id, self.name, streamed=streamed, context=context
+        )
         self._running[request_id] = running
         error: Exception | None = None
         try:
@@ -392,6 +398,12 @@ class StageBackend(abc.ABC):
             stage_id=self.stage_id,
             request_id=request_id,
         ) from error
+
+    def request_context(self, request_id: str) -> RequestContext | None:
+        """The context ``request_id`` was run with here (original prompt, every stage's
+        sampling params, per-request options), or ``None``. Synchronous."""
+        running = self._running.get(request_id)
+        return None if running is None else running.context
 
     def outputs_streamed(self, request_id: str) -> bool:
         """Whether ``request_id``'s outputs on this replica are needed as they come (see

@@ -9,11 +9,14 @@ the request ended once the backend returned or raised.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import trio
 
 from ..errors import StageError
+
+if TYPE_CHECKING:
+    from ..context import RequestContext
 from ..outputs import StageOutput
 
 Emit = Callable[[StageOutput], Awaitable[None]]  # as in the stage contract (_abc)
@@ -48,6 +51,7 @@ class RunningRequest:
 
     __slots__ = (
         "_done",
+        "context",
         "ended",
         "finished",
         "partial",
@@ -59,7 +63,15 @@ class RunningRequest:
         "violation",
     )
 
-    def __init__(self, request_id: str, stage_id: str, replica: str, *, streamed: bool = True):
+    def __init__(
+        self,
+        request_id: str,
+        stage_id: str,
+        replica: str,
+        *,
+        streamed: bool = True,
+        context: RequestContext | None = None,
+    ):
         self.request_id = request_id
         self.stage_id = stage_id
         self.replica = replica
@@ -71,6 +83,8 @@ class RunningRequest:
         self.violation: StageError | None = None
         #: whether anyone needs the outputs as they come (else the finished one is enough)
         self.streamed = streamed
+        #: the request's context (original prompt, sampling params, options), if given
+        self.context = context
         #: the backend call returned or raised
         self.ended = False
         self._done: trio.Event | None = None  # created by the first waiter (abort())

@@ -39,7 +39,8 @@ class StageGroup:
                 stage_index=i,
                 shutdown_timeout=config.shutdown_timeout,
                 lb_policy=config.lb_policy,
-                lb_seed=config.lb_seed,
+                # one seed per stage: stages with the same replicas do not choose in lockstep
+                lb_seed=None if config.lb_seed is None else config.lb_seed + i,
             )
             for i, st in enumerate(config.stages)
         }

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 import trio
 
 from ..config import LbPolicy, StageConfig
+from ..context import RequestContext
 from ..errors import (
     EngineClosedError,
     InvalidRequestError,
@@ -310,6 +311,7 @@ class StagePool:
         emit: Emit,
         *,
         streamed: bool = True,
+        context: RequestContext | None = None,
     ) -> None:
         """Run a request on a replica; the binding is gone when this returns.
         ``streamed``: see :meth:`StageBackend.run_request`.
@@ -319,7 +321,9 @@ class StagePool:
         """
         backend = await self._binder.bind(request_id)
         try:
-            await backend.run_request(request_id, inputs, sampling_params, emit, streamed=streamed)
+            await backend.run_request(
+                request_id, inputs, sampling_params, emit, streamed=streamed, context=context
+            )
         finally:
             self._binder.release(request_id)
 

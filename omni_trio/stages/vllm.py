@@ -64,6 +64,7 @@ import msgspec
 import outcome
 import trio
 
+from ..context import RequestContext
 from ..errors import InvalidRequestError, ReplicaDeadError, StageError
 from ..outputs import StageOutput
 from ..transport.bridge import BridgeReceiver, open_bridge
@@ -223,11 +224,14 @@ class VllmBackend(StageBackend):
         emit: Emit,
         *,
         streamed: bool = True,
+        context: RequestContext | None = None,
     ) -> None:
         """See :meth:`StageBackend.run_request`; also raises :class:`InvalidRequestError`
         for bad sampling params or prompts (the base class would wrap it in StageError)."""
         try:
-            await super().run_request(request_id, inputs, sampling_params, emit, streamed=streamed)
+            await super().run_request(
+                request_id, inputs, sampling_params, emit, streamed=streamed, context=context
+            )
         except StageError as exc:
             if isinstance(exc.__cause__, InvalidRequestError):
                 raise exc.__cause__ from None
