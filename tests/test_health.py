@@ -387,3 +387,22 @@ async def test_a_request_waiting_for_a_replica_slot_is_counted_on_its_stage(auto
             assert report.status == "ok" and report.requests_in_flight == 2
         idle = engine.check_health()
         assert (idle.stage("a").requests_waiting, idle.requests_in_flight) == (0, 0)
+
+
+async def test_a_paused_engine_is_healthy_and_counts_its_waiting_admissions(autojump_clock):
+    async with omni_trio.open_engine(scripted_pipeline(["a"], outputs=2)) as engine:
+        await engine.pause()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.generate("x").collect)
+            for _ in range(1000):
+                if engine.check_health().requests_waiting:
+                    break
+                await trio.lowlevel.checkpoint()
+            report = engine.check_health()
+            assert report.paused and report.requests_waiting == 1
+            assert report.status == "ok" and report.healthy  # an operator's hold, not a fault
+            assert report.stage("a").requests_in_flight == 0  # not admitted: bound nowhere
+            engine.resume()
+        resumed = engine.check_health()
+        assert not resumed.paused and resumed.requests_waiting == 0
+        assert engine.statistics().requests_finished == 1

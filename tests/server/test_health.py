@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from omni_trio.config import PipelineConfig
@@ -110,6 +111,35 @@ async def test_a_replica_waiting_for_its_restart_is_named_in_health_and_metrics(
             replica_key("thinker", 0): 0,
             replica_key("talker", 0): 0,
         }
+
+
+async def test_a_paused_engine_is_healthy_and_shows_its_waiting_admissions():
+    cfg = scripted_pipeline(["thinker", "talker"], name="scripted", outputs=2)
+    async with running_server(cfg) as (engine, base), client_for(base) as http:
+        await engine.pause()
+        answers: list[httpx.Response] = []
+
+        async def complete() -> None:
+            body = {"model": "scripted", "prompt": "x"}
+            answers.append(await http.post("/v1/completions", json=body))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(complete)
+            with trio.fail_after(10):
+                # the server runs in this trio run: checkpoints let it take the request
+                while not engine.statistics().requests_waiting:
+                    await trio.lowlevel.checkpoint()
+            r = await http.get("/health")
+            assert r.status_code == 200
+            body = r.json()
+            assert body["status"] == "ok" and body["paused"] is True
+            assert (body["requests_waiting"], body["requests_in_flight"]) == (1, 0)
+            assert (await samples(http, "omni_trio_engine_paused")) == {(): 1}
+            assert (await samples(http, "omni_trio_admission_waiting")) == {(): 1}
+            engine.resume()
+        assert [a.status_code for a in answers] == [200]
+        assert (await samples(http, "omni_trio_engine_paused")) == {(): 0}
+        assert (await samples(http, "omni_trio_admission_waiting")) == {(): 0}
 
 
 async def test_one_dead_replica_of_two_is_degraded_but_healthy_and_still_serves():
