@@ -38,6 +38,8 @@ class RequestContext:
     trace_headers: Mapping[str, str] | None = None
     #: extra tokenizer arguments for the prompt (vLLM ``tokenization_kwargs``)
     tokenization_kwargs: Mapping[str, Payload] | None = None
+    #: the caller sends the entry stage's input in segments (``RequestStream.send_input``)
+    streaming_input: bool = False
 
     def __repr__(self) -> str:
         extras = [
@@ -48,8 +50,9 @@ class RequestContext:
                 ("lora_request", self.lora_request),
                 ("trace_headers", self.trace_headers),
                 ("tokenization_kwargs", self.tokenization_kwargs),
+                ("streaming_input", self.streaming_input),
             )
-            if value not in (None, 0)
+            if value not in (None, 0, False)
         ]
         return f"<RequestContext {self.request_id!r} stages={list(self.sampling_params)}" + (
             " " + " ".join(extras) + ">" if extras else ">"

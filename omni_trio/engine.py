@@ -49,7 +49,13 @@ from .health import HealthReport, assess_health
 from .observer import EngineObserver
 from .orchestrator import Orchestrator
 from .outputs import EngineStatistics, OmniOutput, Payload, Prompt, SamplingParams
-from .planning import RoutePlanner, prompt_to_input, resolve_sampling_params, stage_ref
+from .planning import (
+    RequestPlan,
+    RoutePlanner,
+    prompt_to_input,
+    resolve_sampling_params,
+    stage_ref,
+)
 from .rpc import fan_out_rpc
 from .stages.group import StageGroup
 from .stages.pool import StagePool
@@ -203,6 +209,7 @@ class Engine:
         lora_request: Payload = None,
         trace_headers: Mapping[str, str] | None = None,
         tokenization_kwargs: Mapping[str, Payload] | None = None,
+        streaming_input: bool = False,
     ) -> RequestStream:
         """Check a request and return its output stream; it is admitted when the stream is
         entered or first iterated.
@@ -218,6 +225,10 @@ class Engine:
         ``tokenization_kwargs`` travel with the request in its
         :class:`~omni_trio.context.RequestContext`: vllm stages hand them to vLLM, other
         backends may read them (``StageBackend.request_context``).
+
+        ``streaming_input=True``: the prompt is the first input segment; send more with
+        ``await stream.send_input(segment)`` and end with ``await stream.end_input()``. The
+        route must have one entry stage (else :class:`InvalidRequestError`).
         """
         self._check_open()
         first = prompt_to_input(prompt)
@@ -227,6 +238,8 @@ class Engine:
         if not isinstance(rid, str) or not rid:
             raise InvalidRequestError("request_id must be a non-empty string")
         check_request_options(priority, arrival_time, trace_headers, tokenization_kwargs)
+        if streaming_input:
+            self._check_streaming_input(plan)
         context = RequestContext(
             rid,
             prompt,
@@ -236,8 +249,17 @@ class Engine:
             lora_request,
             trace_headers,
             tokenization_kwargs,
+            bool(streaming_input),
         )
         return RequestStream(self.orchestrator, rid, first, plan, context)
+
+    def _check_streaming_input(self, plan: RequestPlan) -> None:
+        entries = [sid for sid in plan.active if not self.config.stage(sid).inputs]
+        if len(entries) != 1:
+            raise InvalidRequestError(
+                f"streaming_input needs a route with one entry stage; this one has "
+                f"{len(entries)}: {entries}"
+            )
 
     @overload
     async def abort(self, request_id: str) -> list[OmniOutput]: ...  # type: ignore[overload-overlap]

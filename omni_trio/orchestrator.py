@@ -30,6 +30,7 @@ from .admission import AdmissionGate
 from .config import PipelineConfig
 from .context import RequestContext
 from .errors import DuplicateRequestError, EngineClosedError, OmniTrioError
+from .inputs import RequestInput
 from .observer import ObserverSet
 from .outputs import OmniOutput, StageInput
 from .planning import RequestPlan
@@ -159,8 +160,19 @@ class Orchestrator:
         context: RequestContext,
     ) -> RequestHandle:
         # the caller took a slot for it; _finish gives it back
+        streamed_input = None
+        if context.streaming_input:
+            # generate() checked the route has exactly one entry stage
+            entry = next(sid for sid in plan.active if not self.config.stage(sid).inputs)
+            streamed_input = RequestInput(request_id, entry, first_input, self.config.output_buffer)
         req = Request(
-            request_id, plan, first_input, context, self.config.output_buffer, self._runner.output
+            request_id,
+            plan,
+            first_input,
+            context,
+            self.config.output_buffer,
+            self._runner.output,
+            streamed_input,
         )
         self._requests[request_id] = req
         self.n_total += 1

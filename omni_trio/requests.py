@@ -20,8 +20,9 @@ import outcome
 import trio
 
 from .context import RequestContext
-from .errors import OmniTrioError, StageError
+from .errors import InvalidRequestError, OmniTrioError, StageError
 from .failures import request_error
+from .inputs import RequestInput
 from .lifecycle import RequestLifecycle, RequestStatus
 from .outputs import FINISH_ABORT, OmniOutput, StageInput, StageOutput
 from .planning import RequestPlan
@@ -68,6 +69,7 @@ class Request:
     __slots__ = (
         "_convert",
         "context",
+        "input",
         "_done",
         "_ended",
         "_error",
@@ -88,11 +90,14 @@ class Request:
         context: RequestContext,
         window: int,
         convert: Convert,
+        streamed_input: RequestInput | None = None,
     ) -> None:
         self._convert = convert
         self.plan = plan
         self.first_input = first_input
         self.context = context
+        #: the entry stage's input, sent in segments by the caller (``streaming_input``)
+        self.input = streamed_input
         #: every stage's sampling params (the context's, read per stage run)
         self.params = context.sampling_params
         self.lifecycle = RequestLifecycle(request_id, plan.outputs)
@@ -197,6 +202,8 @@ class Request:
             for sid in self.lifecycle.abort_terminals():
                 self.queue.send_final_nowait(self.output((sid, _ABORTED)))
         self.queue.close()
+        if self.input is not None:
+            self.input.close()  # a segment sent from now on is refused
         self._ended = True
         if self._done is not None:
             self._done.set()
@@ -304,6 +311,26 @@ class RequestHandle:
     async def abort(self) -> list[OmniOutput]:
         """See :meth:`Request.abort`."""
         return await self._req.abort()
+
+    async def send_input(self, segment: StageInput) -> None:
+        """See :meth:`RequestInput.send`. Raises InvalidRequestError for a request opened
+        without ``streaming_input``."""
+        streamed = self._req.input
+        if streamed is None:
+            await trio.lowlevel.checkpoint()
+            raise InvalidRequestError(
+                f"request {self.request_id!r} was opened without streaming_input=True: "
+                "its input is the prompt"
+            )
+        await streamed.send(segment)
+
+    async def end_input(self) -> None:
+        """See :meth:`RequestInput.end`; a no-op without ``streaming_input``."""
+        streamed = self._req.input
+        if streamed is None:
+            await trio.lowlevel.checkpoint()
+            return
+        await streamed.end()
 
     def close_receiver(self) -> None:
         """The consumer stops reading: later outputs are dropped, and a stage delivering one

@@ -164,7 +164,8 @@ class StageRunner:
         for sid in plan.active:
             st = self._stages[sid]
             if not st.inputs:
-                inputs[sid] = WholeInput(req.first_input)
+                streamed = req.input
+                inputs[sid] = WholeInput(req.first_input) if streamed is None else streamed.receiver
                 continue
             send: trio.MemorySendChannel[StageInput] | None = None
             if not (defer and not st.stream_input):

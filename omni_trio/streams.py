@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 import trio
 
 from .context import RequestContext
-from .errors import OmniTrioError
-from .outputs import OmniOutput, StageInput
-from .planning import RequestPlan
+from .errors import InvalidRequestError, OmniTrioError
+from .outputs import OmniOutput, Prompt, StageInput
+from .planning import RequestPlan, prompt_to_input
 from .requests import RequestHandle
 
 if TYPE_CHECKING:
@@ -136,6 +136,40 @@ class RequestStream:
             await trio.lowlevel.checkpoint()
             return []
         return await self._handle.abort()
+
+    async def send_input(self, segment: Prompt) -> None:
+        """Send one more input segment (text, token ids or a prompt dict, like a prompt) to
+        the entry stage of a request opened with ``streaming_input=True``; the stage gets the
+        segments in order. Waits while the stage is not keeping up (a bounded channel).
+
+        Always checkpoints; cancelled, the segment was not sent. Raises
+        :class:`InvalidRequestError` for a bad segment, a stream opened without
+        ``streaming_input=True``, a stream not entered yet, after :meth:`end_input`, or once
+        the request ended (nothing is sent, and nothing new starts).
+        """
+        try:
+            chunk = prompt_to_input(segment)
+            if self._handle is None:
+                raise InvalidRequestError(
+                    f"request {self.request_id!r} is not admitted yet: enter its stream "
+                    "(async with) before sending input"
+                )
+        except InvalidRequestError:
+            await trio.lowlevel.checkpoint()
+            raise
+        await self._handle.send_input(chunk)
+
+    async def end_input(self) -> None:
+        """End the input of a ``streaming_input`` request: the entry stage gets the end of
+        its input. Always checkpoints; a no-op when repeated, after the request ended, or on
+        a stream without ``streaming_input``. Raises :class:`InvalidRequestError` before the
+        stream is entered."""
+        if self._handle is None:
+            await trio.lowlevel.checkpoint()
+            raise InvalidRequestError(
+                f"request {self.request_id!r} is not admitted yet: enter its stream first"
+            )
+        await self._handle.end_input()
 
     async def collect(self) -> list[OmniOutput]:
         """Read every remaining output into a list. Always checkpoints; raises the request's
