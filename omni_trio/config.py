@@ -31,7 +31,7 @@ from ._config_read import (
     json_object,
     read_config_file,
 )
-from ._dotted import DOTTED_PATTERN, is_dotted
+from ._dotted import DOTTED_PATTERN, import_dotted, is_dotted
 from ._stage_graph import StageGraph, some_ids
 from .errors import ConfigError
 
@@ -114,6 +114,23 @@ class StageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     processor_options: Annotated[
         dict[str, Value], _doc("options passed to the input processor")
     ] = {}
+    prompt_transform: Annotated[
+        str | None,
+        _doc(
+            "entry stages: 'package.module:function' called as fn(prompt, request_id) in "
+            "generate() before the prompt is checked; returns the prompt, or (prompt, "
+            "artifact_dirs): absolute directories deleted when the request ends",
+            extra_json_schema={"pattern": DOTTED_PATTERN},
+        ),
+    ] = None
+    prompt_expand: Annotated[
+        str | None,
+        _doc(
+            "entry stages: 'package.module:function' called as fn(prompt, sampling_params) "
+            "-> list[Companion] (CFG companions, e.g. the negative prompt)",
+            extra_json_schema={"pattern": DOTTED_PATTERN},
+        ),
+    ] = None
     stream_input: Annotated[
         bool, _doc("start on streamed partial upstream output instead of waiting for it")
     ] = False
@@ -465,7 +482,29 @@ def validate(cfg: PipelineConfig, *, check_vllm: bool = True) -> None:
             source=src,
         )
     for i, st in enumerate(cfg.stages):
+        _check_entry_hooks(st, i, src)
         check_stage(st, i, src, check_vllm=check_vllm)
+
+
+#: the hooks only an entry stage may name (they act on the request's prompt)
+_ENTRY_HOOKS = ("prompt_transform", "prompt_expand")
+
+
+def _check_entry_hooks(st: StageConfig, index: int, source: str | None) -> None:
+    # Blocking: imports the hook's module. Raises ConfigError naming the key's path.
+    for key in _ENTRY_HOOKS:
+        path: str | None = getattr(st, key)
+        if path is None:
+            continue
+        where = f"$.stages[{index}].{key}"
+        if st.inputs:
+            raise ConfigError(
+                f"{key} is for entry stages (stages without inputs): it acts on the "
+                f"caller's prompt, and stage {st.id!r} takes its input from {st.inputs}",
+                path=where,
+                source=source,
+            )
+        import_dotted(path, what=key, where=where, source=source)
 
 
 def config_schema() -> dict[str, Value]:

@@ -322,6 +322,15 @@ def test_shutdown_timeout_is_a_stage_key(tmp_path):
         ("input_processor: 'json:nope'", "input_processor", "input_processor 'json:nope'"),
         ("input_processor: '.local:f'", "input_processor", "relative module paths are not allowed"),
         ("input_processor: 'a b:f'", "input_processor", "must be 'package.module:function'"),
+        ("prompt_transform: 'json:nope'", "prompt_transform", "prompt_transform 'json:nope'"),
+        ("prompt_transform: 'nocolon'", "prompt_transform", "must be 'package.module:function'"),
+        (
+            "prompt_transform: 'no_such_mod_xyz:f'",
+            "prompt_transform",
+            "cannot import prompt_transform module",
+        ),
+        ("prompt_expand: 'json:nope'", "prompt_expand", "prompt_expand 'json:nope'"),
+        ("prompt_expand: '.rel:f'", "prompt_expand", "relative module paths are not allowed"),
         (
             "backend: torch\n    options: {factory: 'no_such_mod_xyz:build'}",
             "options.factory",
@@ -332,6 +341,19 @@ def test_shutdown_timeout_is_a_stage_key(tmp_path):
 )
 def test_dotted_paths_and_torch_options_checked_at_load(tmp_path, lines, where, expected):
     assert expected in stage_error(tmp_path, f"    {lines}\n", f"$.stages[0].{where}")
+
+
+@pytest.mark.parametrize("key", ["prompt_transform", "prompt_expand"])
+def test_prompt_hooks_are_for_entry_stages_only(key):
+    ok = linear("a", "b")
+    ok["stages"][0][key] = "json:dumps"
+    assert getattr(load_config(ok).stages[0], key) == "json:dumps"
+    bad = linear("a", "b")
+    bad["stages"][1][key] = "json:dumps"
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    assert info.value.path == f"$.stages[1].{key}"
+    assert "for entry stages" in str(info.value) and "'b'" in str(info.value)
 
 
 def test_torch_weights_file_must_exist(tmp_path):
