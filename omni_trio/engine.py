@@ -316,6 +316,23 @@ class Engine:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             self.orchestrator.abort_nowait(rid)
 
+    async def interact(self, request_id: str, payload: Payload) -> bool:
+        """Deliver a control payload to a live request's entry-stage backend, in order (see
+        :mod:`~omni_trio.interactions`). Returns ``True`` once the backend accepted it,
+        ``False`` for an unknown or ended request (or one whose entry stage is done with it);
+        waits while the request has not reached its entry stage.
+
+        Always checkpoints; cancelled before the backend accepted it, nothing was delivered.
+        Raises :class:`InvalidRequestError` for a non-string id, or if the entry stage's
+        backend takes no interactions (naming the stage).
+        """
+        if not isinstance(request_id, str):
+            await trio.lowlevel.checkpoint()
+            raise InvalidRequestError(
+                f"request_id must be a string, not {type(request_id).__name__}"
+            )
+        return await self.orchestrator.interact(request_id, payload)
+
     async def collective_rpc(
         self,
         method: str,

@@ -31,8 +31,9 @@ from .config import PipelineConfig
 from .context import RequestContext
 from .errors import DuplicateRequestError, EngineClosedError, OmniTrioError
 from .inputs import RequestInput
+from .interactions import Interactions
 from .observer import ObserverSet
-from .outputs import OmniOutput, StageInput
+from .outputs import OmniOutput, Payload, StageInput
 from .planning import RequestPlan
 from .requests import Request, RequestHandle, RequestInfo
 from .routing import StageFeed
@@ -69,6 +70,8 @@ class Orchestrator:
         }
         self.observers = ObserverSet()
         self._runner = StageRunner(config, self._pools, self._processors, self.observers)
+        #: delivers interactions to the requests' entry-stage backends, in order
+        self.interactions = Interactions(config, self._pools)
         self.closed = False
         self.n_finished = 0
         self.n_aborted = 0
@@ -242,6 +245,18 @@ class Orchestrator:
         await trio.lowlevel.checkpoint()
         while self._requests:
             await next(iter(self._requests.values())).wait_ended()
+
+    async def interact(
+        self, request_id: str, payload: Payload, *, handle: RequestHandle | None = None
+    ) -> bool:
+        """Deliver an interaction to a request's entry-stage backend (see
+        :mod:`~omni_trio.interactions`); ``False`` for an unknown or ended request, or one
+        that is not ``handle``'s. Always checkpoints; raises what the backend raises."""
+        req = self._requests.get(request_id)
+        if req is None or (handle is not None and not handle.refers_to(req)):
+            await trio.lowlevel.checkpoint()
+            return False
+        return await self.interactions.deliver(req, payload)
 
     def request_info(self, request_id: str) -> RequestInfo | None:
         """A frozen snapshot of a request in flight, or None (unknown or ended)."""

@@ -332,6 +332,11 @@ class RequestHandle:
             return
         await streamed.end()
 
+    def refers_to(self, request: Request) -> bool:
+        """Whether this handle is on ``request`` (not on a later one with the same id).
+        Synchronous."""
+        return self._req is request
+
     def close_receiver(self) -> None:
         """The consumer stops reading: later outputs are dropped, and a stage delivering one
         finds the consumer gone, which aborts the request. Synchronous."""

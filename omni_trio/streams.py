@@ -137,6 +137,24 @@ class RequestStream:
             return []
         return await self._handle.abort()
 
+    async def interact(self, payload: object) -> bool:
+        """Deliver a control payload to this request's entry-stage backend, in order (see
+        :mod:`~omni_trio.interactions`; e.g. ``{"stop": True}`` for a scripted stage).
+        Returns ``True`` once the backend accepted it, ``False`` if the request ended or its
+        entry stage is done with it; waits while the request has not reached its entry stage.
+
+        Always checkpoints; cancelled before the backend accepted it, nothing was delivered.
+        Raises :class:`InvalidRequestError` if the stream was not entered (``async with``) or
+        iterated yet, or if the entry stage's backend takes no interactions (naming it).
+        """
+        if self._handle is None:
+            await trio.lowlevel.checkpoint()
+            raise InvalidRequestError(
+                f"request {self.request_id!r} is not admitted yet: enter its stream "
+                "(`async with engine.generate(...) as stream`) before interact()"
+            )
+        return await self._orchestrator.interact(self.request_id, payload, handle=self._handle)
+
     async def send_input(self, segment: Prompt) -> None:
         """Send one more input segment (text, token ids or a prompt dict, like a prompt) to
         the entry stage of a request opened with ``streaming_input=True``; the stage gets the

@@ -46,6 +46,7 @@ from ..outputs import (
     StageOutput,
 )
 from ._requests import RunningRequest, request_outcome
+from ._watch import _watches, notify_run
 
 if TYPE_CHECKING:
     from ..config import StageConfig
@@ -345,6 +346,8 @@ class StageBackend(abc.ABC):
             request_id, self.stage_id, self.name, streamed=streamed, context=context
         )
         self._running[request_id] = running
+        if _watches:  # someone waits for this request to run here (an interaction)
+            notify_run(context, self.stage_id, request_id, "started")
         error: Exception | None = None
         try:
             with running.scope:
@@ -361,6 +364,8 @@ class StageBackend(abc.ABC):
         finally:
             running.end()
             del self._running[request_id]
+            if _watches:
+                notify_run(context, self.stage_id, request_id, "ended")
         self._end_request(request_id, running, error)
 
     def _end_request(
@@ -404,6 +409,54 @@ class StageBackend(abc.ABC):
         sampling params, per-request options), or ``None``. Synchronous."""
         running = self._running.get(request_id)
         return None if running is None else running.context
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is running on this replica now. Synchronous."""
+        return request_id in self._running
+
+    async def interact(self, request_id: str, payload: Payload) -> bool:
+        """Deliver an interaction (a control payload) to a request running on this replica.
+
+        Returns ``True`` once the backend accepted it (its ``_interact`` hook returned),
+        ``False`` without calling the hook if the request is not running here or its
+        finished output was already delivered. Always checkpoints. Cancelled before the hook
+        is called, nothing is delivered; a cancellation that lands after the hook accepted the
+        payload does not undo it (it returns ``True``). Raises :class:`InvalidRequestError`
+        naming the stage if this backend takes no interactions (or rejects the payload), a
+        :class:`StageError` naming the replica if the hook failed otherwise.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        running = self._running.get(request_id)
+        if running is None or running.finished:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return False
+        try:
+            await self._interact(request_id, payload)
+        except trio.Cancelled:
+            raise
+        except (InvalidRequestError, StageError):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            raise
+        except Exception as exc:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            raise StageError(
+                f"replica {self.name} failed an interaction with request {request_id!r}: "
+                f"{type(exc).__name__}: {exc}",
+                stage_id=self.stage_id,
+                request_id=request_id,
+            ) from exc
+        # accepted: a schedule point that a cancellation cannot turn into a lost delivery
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return True
+
+    async def _interact(self, request_id: str, payload: Payload) -> None:
+        """Accept an interaction for a request running here (:meth:`interact` checked that it
+        is). Default: this backend takes none, :class:`InvalidRequestError` naming the stage.
+        Called in the caller's task; return once the payload is accepted."""
+        raise InvalidRequestError(
+            f"stage {self.stage_id!r} ({self.backend_name} backend) takes no interactions: "
+            f"its backend does not implement _interact"
+        )
 
     def outputs_streamed(self, request_id: str) -> bool:
         """Whether ``request_id``'s outputs on this replica are needed as they come (see

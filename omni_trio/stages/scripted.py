@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 import trio
 
@@ -52,6 +52,8 @@ from ._abc import Emit, InputStream, StageBackend
 from .options import ScriptedOptions, parse_options
 
 __all__ = ["RecentList", "ScriptedBackend", "scripted_tokens"]
+
+T = TypeVar("T")
 
 
 class RecentList(Sequence[str]):
@@ -90,14 +92,15 @@ class RecentList(Sequence[str]):
         return f"RecentList({list(self._items)!r}, limit={self._items.maxlen})"
 
 
-class _RecentInputs(dict[str, list[StageInput]]):
-    """``received``: request id -> input chunks, for the ``limit`` most recent requests."""
+class _Recent(dict[str, list[T]]):
+    """Request id -> what it brought (input chunks, interactions), for the ``limit`` most
+    recent requests."""
 
     def __init__(self, limit: int) -> None:
         super().__init__()
         self.limit = limit
 
-    def start(self, request_id: str) -> list[StageInput]:
+    def start(self, request_id: str) -> list[T]:
         chunks = self.get(request_id)
         if chunks is not None:
             return chunks
@@ -107,6 +110,17 @@ class _RecentInputs(dict[str, list[StageInput]]):
                 del self[next(iter(self))]  # dicts keep insertion order: the oldest
             self[request_id] = chunks
         return chunks
+
+
+class _Live:
+    """A request running on a scripted replica, as its interactions see it."""
+
+    __slots__ = ("emitting", "scope", "stop")
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()
+        self.stop = False  # a stop interaction came
+        self.emitting = False  # inside emit: a stop waits for it to return
 
 
 def scripted_tokens(inputs: Sequence[int], n_outputs: int, offset: int = 1) -> list[int]:
@@ -144,9 +158,13 @@ class ScriptedBackend(StageBackend):
             backend="scripted",
         )
         limit = self.options.record_limit
-        self.received = _RecentInputs(limit)
+        self.received: _Recent[StageInput] = _Recent(limit)
         self.aborted = RecentList(limit)
         self.completed = RecentList(limit)
+        #: request id -> the interactions it received, in order (the ``record`` most recent
+        #: requests)
+        self.interactions: _Recent[Any] = _Recent(limit)
+        self._live: dict[str, _Live] = {}
         self.requests_seen = 0
 
     async def _start(self) -> None:
@@ -182,47 +200,75 @@ class ScriptedBackend(StageBackend):
         chunks = self.received.start(request_id)
         tokens: list[int] = []
         input_done = False
+        # a stop interaction cancels this scope while the request waits (never inside emit)
+        live = self._live[request_id] = _Live()
+        k = 0
         try:
-            if self.options.hang:
-                await trio.sleep_forever()
-            for k in range(n_outputs):
-                # wait until input token k is here (streamed input) or the input is complete
-                while not input_done and len(tokens) <= k:
-                    try:
-                        chunk = await inputs.receive()
-                    except trio.EndOfChannel:
-                        input_done = True
+            with live.scope:
+                if self.options.hang:
+                    await trio.sleep_forever()
+                for k in range(n_outputs):
+                    # wait until input token k is here (streamed input) or the input is complete
+                    while not input_done and len(tokens) <= k:
+                        try:
+                            chunk = await inputs.receive()
+                        except trio.EndOfChannel:
+                            input_done = True
+                            break
+                        chunks.append(chunk)
+                        tokens.extend(_input_tokens(chunk))
+                        input_done = chunk.final
+                    if latency:
+                        await trio.sleep(latency)
+                    else:
+                        await trio.lowlevel.checkpoint()
+                    if fail_at is not None and k == fail_at:
+                        raise StageError(
+                            f"scripted stage {self.name} was configured to fail at output {k} "
+                            f"(request {request_id!r})",
+                            stage_id=self.stage_id,
+                            request_id=request_id,
+                        )
+                    token = tokens[k % len(tokens)] + offset if tokens else offset + k
+                    last = k == n_outputs - 1
+                    live.emitting = True
+                    await emit(
+                        StageOutput(
+                            token_ids=(token,),
+                            text=f"{self.stage_id}:{token} ",
+                            finished=last,
+                            finish_reason="length" if last else None,
+                            # metrics once per request, on its finished output (as vllm's)
+                            metrics={"output_index": k} if last else None,
+                        )
+                    )
+                    live.emitting = False
+                    if live.stop:
+                        k += 1
                         break
-                    chunks.append(chunk)
-                    tokens.extend(_input_tokens(chunk))
-                    input_done = chunk.final
-                if latency:
-                    await trio.sleep(latency)
-                else:
-                    await trio.lowlevel.checkpoint()
-                if fail_at is not None and k == fail_at:
-                    raise StageError(
-                        f"scripted stage {self.name} was configured to fail at output {k} "
-                        f"(request {request_id!r})",
-                        stage_id=self.stage_id,
-                        request_id=request_id,
-                    )
-                token = tokens[k % len(tokens)] + offset if tokens else offset + k
-                last = k == n_outputs - 1
+            if live.stop and (live.scope.cancelled_caught or k < n_outputs):
+                # stopped by an interaction: the next output is the finished one, empty
                 await emit(
-                    StageOutput(
-                        token_ids=(token,),
-                        text=f"{self.stage_id}:{token} ",
-                        finished=last,
-                        finish_reason="length" if last else None,
-                        # metrics once per request, on its finished output (as vllm's)
-                        metrics={"output_index": k} if last else None,
-                    )
+                    StageOutput(finished=True, finish_reason="stop", metrics={"output_index": k})
                 )
             self.completed.append(request_id)
         except trio.Cancelled:
             self.aborted.append(request_id)
             raise
+        finally:
+            del self._live[request_id]
+
+    async def _interact(self, request_id: str, payload: Any) -> None:
+        """``{"stop": True}`` finishes the request now (its next output is its finished one,
+        empty, ``finish_reason="stop"``); anything else is recorded in
+        :attr:`interactions`. Synchronous apart from the base class's checkpoint."""
+        if isinstance(payload, dict) and payload.get("stop") is True:
+            live = self._live.get(request_id)
+            if live is not None and not live.stop:
+                live.stop = True
+                if not live.emitting:
+                    live.scope.cancel()
+        self.interactions.start(request_id).append(payload)
 
     async def _rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if method == "echo":
