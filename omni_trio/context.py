@@ -12,9 +12,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .errors import InvalidRequestError
 from .outputs import Payload, Prompt, SamplingParams
+
+if TYPE_CHECKING:
+    from .companions import PlannedCompanion
 
 __all__ = ["RequestContext", "check_request_options"]
 
@@ -40,6 +44,10 @@ class RequestContext:
     tokenization_kwargs: Mapping[str, Payload] | None = None
     #: the caller sends the entry stage's input in segments (``RequestStream.send_input``)
     streaming_input: bool = False
+    #: the entry stage's ``prompt_expand`` companions (:mod:`omni_trio.companions`), and
+    #: that stage
+    companions: tuple[PlannedCompanion, ...] = ()
+    companion_stage: str | None = None
 
     def __repr__(self) -> str:
         extras = [
@@ -51,8 +59,9 @@ class RequestContext:
                 ("trace_headers", self.trace_headers),
                 ("tokenization_kwargs", self.tokenization_kwargs),
                 ("streaming_input", self.streaming_input),
+                ("companions", tuple(c.role for c in self.companions)),
             )
-            if value not in (None, 0, False)
+            if value not in (None, 0, False, ())
         ]
         return f"<RequestContext {self.request_id!r} stages={list(self.sampling_params)}" + (
             " " + " ".join(extras) + ">" if extras else ">"

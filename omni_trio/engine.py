@@ -28,6 +28,7 @@ raises (it is detached).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
@@ -37,6 +38,7 @@ from typing import overload
 
 import trio
 
+from .companions import expand_companions, load_expand_hooks
 from .config import PipelineConfig, check_vllm_stages, load_config
 from .context import RequestContext, check_request_options
 from .errors import (
@@ -80,6 +82,10 @@ class Engine:
         # pending collective_rpc calls: their scope (close cancels it) -> set when they end
         self._rpcs: dict[trio.CancelScope, trio.Event] = {}
         self._planner = RoutePlanner(config)
+        self._expand_hooks = load_expand_hooks(
+            [(st.id, None if st.inputs else st.prompt_expand) for st in config.stages],
+            source=config.source,
+        )
 
     # -- session -------------------------------------------------------------------------------
     async def __aenter__(self) -> Engine:
@@ -251,7 +257,34 @@ class Engine:
             tokenization_kwargs,
             bool(streaming_input),
         )
+        if self._expand_hooks:
+            context = self._with_companions(context, plan)
         return RequestStream(self.orchestrator, rid, first, plan, context)
+
+    def _with_companions(self, context: RequestContext, plan: RequestPlan) -> RequestContext:
+        # the route's entry stage with a prompt_expand hook makes the request's companions
+        stages = [sid for sid in plan.active if sid in self._expand_hooks]
+        if not stages:
+            return context
+        if len(stages) > 1:
+            raise InvalidRequestError(
+                f"companions come from one entry stage's prompt_expand; this route has "
+                f"{len(stages)} entry stages with one: {stages}"
+            )
+        (sid,) = stages
+        hook, name = self._expand_hooks[sid]
+        companions = expand_companions(
+            hook,
+            hook_name=name,
+            stage_id=sid,
+            request_id=context.request_id,
+            prompt=context.prompt,
+            sampling_params=context.sampling_params[sid],
+            to_input=prompt_to_input,
+        )
+        if not companions:
+            return context
+        return dataclasses.replace(context, companions=companions, companion_stage=sid)
 
     def _check_streaming_input(self, plan: RequestPlan) -> None:
         entries = [sid for sid in plan.active if not self.config.stage(sid).inputs]

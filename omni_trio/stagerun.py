@@ -31,6 +31,7 @@ from functools import partial
 
 import trio
 
+from .companions import companion_key, run_with_companions
 from .config import PipelineConfig
 from .errors import OmniTrioError, StageError
 from .lifecycle import ContractViolation
@@ -161,19 +162,27 @@ class StageRunner:
         defer = not self.observers
         inputs: dict[str, Inputs] = {}
         feeds_of: dict[str, list[StageFeed]] = {sid: [] for sid in plan.active}
+        context = req.context
+        companion_stage = context.companion_stage if context.companions else None
         for sid in plan.active:
             st = self._stages[sid]
             if not st.inputs:
                 streamed = req.input
                 inputs[sid] = WholeInput(req.first_input) if streamed is None else streamed.receiver
                 continue
+            upstream: Sequence[str] = st.inputs
+            stream = st.stream_input
+            if companion_stage is not None and companion_stage in upstream:
+                # it also takes the companions' outputs, and waits for all of them
+                roles = [companion_key(companion_stage, c.role) for c in context.companions]
+                upstream, stream = [*upstream, *roles], False
             send: trio.MemorySendChannel[StageInput] | None = None
-            if not (defer and not st.stream_input):
+            if not (defer and not stream):
                 send, inputs[sid] = trio.open_memory_channel[StageInput](self.config.output_buffer)
             feed = StageFeed(
                 sid,
-                st.inputs,
-                stream=st.stream_input,
+                upstream,
+                stream=stream,
                 processor=self._processors[sid],
                 options=st.processor_options,
                 send=send,
@@ -208,7 +217,7 @@ class StageRunner:
             return [partial(self._run_collected, req, sid, inputs, feeds)]
         outbox: OutputQueue[StageOutput] = OutputQueue(self.config.output_buffer)
         return [
-            partial(self._run_backend, req, sid, inputs, outbox, streamed),
+            partial(self._run_backend, req, sid, inputs, outbox, streamed, feeds),
             partial(self._route_stage, req, sid, outbox, feeds, streamed),
         ]
 
@@ -264,7 +273,7 @@ class StageRunner:
         async def emit(out: StageOutput) -> None:
             outs.append(self._record(req, sid, out)[1])
 
-        if not await self._run_stage(req, sid, inputs, emit, streamed=False):
+        if not await self._run_stage(req, sid, inputs, emit, streamed=False, feeds=feeds):
             return _NONE_READY
         ready: list[tuple[StageFeed, StageInput | None]] = []
         try:
@@ -303,9 +312,12 @@ class StageRunner:
         emit: Callable[[StageOutput], Awaitable[None]],
         *,
         streamed: bool,
+        feeds: Sequence[StageFeed] = (),
     ) -> bool:
         """Run the request on stage ``sid``'s pool; whether the backend returned normally.
-        An abort through the pool aborts the request, any failure fails it. Checkpoints."""
+        An abort through the pool aborts the request, any failure fails it. Its companions
+        (on the entry stage that made them) run beside it on the same replica, their outputs
+        into ``feeds``; it returns once they ended too. Checkpoints."""
         # the pool's run_request, inlined: one coroutine frame less per stage in flight
         pool = self._pools[sid]
         rid = req.request_id
@@ -317,9 +329,15 @@ class StageRunner:
                     # no replica takes it now: wait (FIFO) for a slot or a restarting one
                     backend = await pool.bind(rid)
                 try:
-                    await backend.run_request(
-                        rid, inputs, req.params[sid], emit, streamed=streamed, context=req.context
-                    )
+                    context = req.context
+                    if context.companions and sid == context.companion_stage:
+                        await run_with_companions(
+                            req, pool, backend, sid, feeds, inputs, emit, streamed
+                        )
+                    else:
+                        await backend.run_request(
+                            rid, inputs, req.params[sid], emit, streamed=streamed, context=context
+                        )
                 finally:
                     pool.release(rid)
         except StageAborted:
@@ -338,6 +356,7 @@ class StageRunner:
         inputs: Inputs,
         outbox: OutputQueue[StageOutput],
         streamed: bool,
+        feeds: Sequence[StageFeed],
     ) -> Ready:
         # Runs the request on the stage's pool. The backend's emit only puts its outputs into
         # the stage's bounded outbox (with room it does not even yield); the stage's routing
@@ -350,7 +369,7 @@ class StageRunner:
                 await outbox.send(out)
 
         try:
-            if await self._run_stage(req, sid, inputs, emit, streamed=streamed):
+            if await self._run_stage(req, sid, inputs, emit, streamed=streamed, feeds=feeds):
                 outbox.send_final_nowait(_COMPLETED)
         finally:
             outbox.close()

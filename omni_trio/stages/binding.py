@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import trio
 
-from ..errors import NoLiveReplicaError
+from ..errors import NoLiveReplicaError, ReplicaDeadError
 from ._abc import StageBackend, no_live_replica
 from .balancing import Balancer, ReplicaLoad
 from .replicas import ReplicaSlot
@@ -98,6 +98,22 @@ class ReplicaBinder:
         if not any(s.takes_requests or s.pending for s in self._slots):
             raise no_live_replica(self.stage_id, request_id)
         raise trio.WouldBlock
+
+    def bind_to(self, request_id: str, backend: StageBackend) -> None:
+        """Bind a request to the replica ``backend`` serves (a companion riding with its
+        parent), whatever the policy or slot limits say. Synchronous. Raises
+        :class:`ReplicaDeadError` if ``backend`` no longer serves a replica of the stage."""
+        for slot in self._slots:
+            if slot.backend is backend:
+                slot.bind()
+                self._bindings[request_id] = (slot, backend)
+                return
+        raise ReplicaDeadError(
+            f"replica {backend.name} no longer serves stage {self.stage_id!r}",
+            stage_id=self.stage_id,
+            request_id=request_id,
+            replica=backend.replica,
+        )
 
     async def bind(self, request_id: str) -> StageBackend:
         """Bind a request to a replica, waiting first-in first-out if none can take it now.

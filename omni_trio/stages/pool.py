@@ -298,6 +298,11 @@ class StagePool:
         :class:`trio.WouldBlock` if it would wait, :class:`NoLiveReplicaError`."""
         return self._binder.bind_nowait(request_id)
 
+    def bind_to(self, request_id: str, backend: StageBackend) -> None:
+        """Bind a request to the replica ``backend`` serves (see
+        :meth:`ReplicaBinder.bind_to`). Synchronous."""
+        self._binder.bind_to(request_id, backend)
+
     async def bind(self, request_id: str) -> StageBackend:
         """Bind a request to a replica, waiting first-in first-out if none can take it.
         Always checkpoints; see :meth:`ReplicaBinder.bind`."""
