@@ -126,13 +126,22 @@ def engine_prompt(
 
 
 def render(
-    v: SimpleNamespace, engine: Any, chunk: StageInput, mm_scope: tuple[str, int] | None = None
+    v: SimpleNamespace,
+    engine: Any,
+    chunk: StageInput,
+    mm_scope: tuple[str, int] | None = None,
+    tokenization_kwargs: Mapping[str, Any] | None = None,
 ) -> Any:
     """The engine's rendered prompt for a stage input (:func:`engine_prompt`, multimodal
-    items split as the engine's processor does). Raises InvalidRequestError when the input
-    has no prompt; vLLM raises for a prompt it rejects."""
+    items split as the engine's processor does), tokenized with the renderer's defaults
+    updated by ``tokenization_kwargs`` (e.g. ``truncate_prompt_tokens``,
+    ``add_special_tokens``). Raises InvalidRequestError when the input has no prompt; vLLM
+    raises for a prompt or a tokenization argument it rejects."""
     raw = engine_prompt(chunk, mm_scope, _engine_split(engine))
     parsed = v.parse_model_prompt(engine.model_config, raw)
     renderer = engine.renderer
-    (rendered,) = renderer.render_cmpl([parsed], renderer.default_cmpl_tok_params)
+    tok_params = renderer.default_cmpl_tok_params
+    if tokenization_kwargs:
+        tok_params = tok_params.with_kwargs(**tokenization_kwargs)
+    (rendered,) = renderer.render_cmpl([parsed], tok_params)
     return rendered

@@ -16,6 +16,7 @@ from typing import Any, Final
 
 import outcome
 
+from ..context import RequestContext
 from ..errors import InvalidRequestError, ReplicaDeadError
 from ..outputs import StageInput, StageOutput
 from ..transport.bridge import BridgeSender
@@ -81,6 +82,20 @@ class Submit:
     sampling_params: Any  # the user's: None, a dict or a vllm SamplingParams
     final_only: bool  # nobody streams this request's outputs: ask vLLM for the last one only
     flow: Flow
+    #: the request's per-request vLLM options that are not vLLM's defaults (None: none; see
+    #: :func:`request_options`); most requests carry none
+    options: dict[str, Any] | None = None
+    #: ``prompt`` is the first of several input segments; the others follow as
+    #: :class:`Segment` commands (vLLM's streaming input: a resumable request)
+    segmented: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """The next input segment of a ``segmented`` request; ``None``: its input ended."""
+
+    request_id: str
+    chunk: StageInput | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +157,38 @@ def engine_died(name: str, exc: BaseException) -> outcome.Error:
 
 
 # -- pure helpers -------------------------------------------------------------------------
+def request_options(context: RequestContext, *, entry: bool) -> dict[str, Any] | None:
+    """The per-request options of ``context`` a vllm stage hands to vLLM, those that are not
+    vLLM's defaults, or ``None`` (the usual case, decided without building a dict). Pure.
+
+    ``priority``, ``arrival_time`` and ``trace_headers`` go to every vllm stage of the request
+    (``AsyncLLM.add_request`` keywords). ``lora_request`` and ``tokenization_kwargs`` concern
+    the prompt the caller gave and the model it addressed, so only an entry stage takes them:
+    a downstream stage's prompt is token ids from upstream, often for another model. The
+    worker applies ``tokenization_kwargs`` where the prompt is tokenized (it renders prompts
+    itself; vLLM reads them only for raw prompts).
+    """
+    if (
+        context.priority == 0
+        and context.arrival_time is None
+        and context.trace_headers is None
+        and (not entry or (context.lora_request is None and context.tokenization_kwargs is None))
+    ):
+        return None
+    options: dict[str, Any] = {}
+    if context.priority != 0:
+        options["priority"] = context.priority
+    if context.arrival_time is not None:
+        options["arrival_time"] = float(context.arrival_time)
+    if context.trace_headers is not None:
+        options["trace_headers"] = dict(context.trace_headers)
+    if entry and context.lora_request is not None:
+        options["lora_request"] = context.lora_request
+    if entry and context.tokenization_kwargs is not None:
+        options["tokenization_kwargs"] = dict(context.tokenization_kwargs)
+    return options or None
+
+
 def merge_engine_args(engine_args: dict[str, Any], *, on_cpu: bool) -> dict[str, Any]:
     """The stage's engine args over the CPU defaults (on CPU only). Pure."""
     return {**CPU_ENGINE_DEFAULTS, **engine_args} if on_cpu else dict(engine_args)
@@ -171,9 +218,16 @@ def metrics_of(ro: Any) -> dict[str, Any] | None:
     return out or None
 
 
+#: the finished output of a streaming-input request whose last segment's output was sent
+_STREAM_END = StageOutput(finished=True, finish_reason="stop")
+
+
 def to_stage_output(ro: Any) -> StageOutput:
     """One vLLM RequestOutput (a delta, or the whole output with FINAL_ONLY) as a
     StageOutput; metrics only on the finished one."""
+    if not ro.outputs:
+        # vLLM's STREAM_FINISHED: a streaming-input request ended with nothing pending
+        return _STREAM_END
     comp = ro.outputs[0]
     if not ro.finished:
         return StageOutput(token_ids=tuple(comp.token_ids), text=comp.text)

@@ -42,6 +42,17 @@ Sampling params: ``None`` or a dict become ``SamplingParams(**d, output_kind=DEL
 ``SamplingParams`` is copied and forced to DELTA. An unknown key or a bad value raises
 :class:`~omni_trio.errors.InvalidRequestError` from ``run_request``.
 
+Per-request options (``generate(priority=, arrival_time=, lora_request=, trace_headers=,
+tokenization_kwargs=)``, read from the request's context): those that are not vLLM's defaults
+go to ``AsyncLLM.add_request`` (:func:`~._vllm_protocol.request_options`). ``priority``,
+``arrival_time`` and ``trace_headers`` reach every vllm stage of the request; ``lora_request``
+and ``tokenization_kwargs`` only an entry stage (they concern the caller's prompt and model).
+``tokenization_kwargs`` are applied where the prompt is rendered (vLLM reads them only for raw
+prompts). ``priority`` matters under ``engine_args: {scheduling_policy: priority}`` (lower
+first); vLLM keeps ``trace_headers`` only when ``otlp_traces_endpoint`` is set (otherwise it
+warns once and drops them). An option vLLM refuses (a LoRA on an engine without
+``enable_lora``) fails the request with :class:`~omni_trio.errors.InvalidRequestError`.
+
 ``collective_rpc(method, args, kwargs)`` passes through to ``AsyncLLM.collective_rpc``, except
 these control methods, answered by the backend: ``get_num_unfinished_requests``,
 ``get_num_queued_tokens``, ``engine_core_pids``, ``check_health``, ``reset_prefix_cache``.
@@ -70,7 +81,18 @@ from ..outputs import StageOutput
 from ..transport.bridge import BridgeReceiver, open_bridge
 from ._abc import Emit, InputStream, StageBackend, collect_input
 from ._vllm_mm import replica_scope
-from ._vllm_protocol import CPU_ENGINE_DEFAULTS, END, Abort, Batch, Died, Flow, Resume, Rpc, Submit
+from ._vllm_protocol import (
+    CPU_ENGINE_DEFAULTS,
+    END,
+    Abort,
+    Batch,
+    Died,
+    Flow,
+    Resume,
+    Rpc,
+    Submit,
+    request_options,
+)
 from ._vllm_worker import EngineWorker
 from .options import VllmOptions, parse_options
 
@@ -113,6 +135,7 @@ class VllmBackend(StageBackend):
             self.stage_id, replica, replicas=config.replicas, entry=not config.inputs
         )
         self._abort_timeout = self.options.abort_timeout_s
+        self._entry = not config.inputs  # takes the caller's prompt (see request_options)
 
     @property
     def thread_name(self) -> str:
@@ -249,7 +272,9 @@ class VllmBackend(StageBackend):
         final_only = not self.outputs_streamed(request_id)
         ended = finished = False
         try:
-            submit = Submit(request_id, prompt, sampling_params, final_only, flow)
+            context = self.request_context(request_id)
+            options = None if context is None else request_options(context, entry=self._entry)
+            submit = Submit(request_id, prompt, sampling_params, final_only, flow, options)
             if self._outputs_ended or not self._worker.command(submit):
                 ended = True  # nothing was submitted: nothing to abort
                 raise self._worker_gone(f"while request {request_id!r} was submitted")

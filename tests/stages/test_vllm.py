@@ -456,3 +456,67 @@ async def test_open_engine_one_and_two_stage_pipelines_match_hand_driven() -> No
         assert got[(i, "thinker")] == ref[i][0]
         assert got[(i, "talker")] == ref[i][1]
         assert one_stage[i] == ref[i][0]
+
+
+async def test_per_request_options_reach_vllm() -> None:
+    # One request at a time (max_num_seqs: 1) under vLLM's priority scheduling: requests
+    # waiting behind a long one start in priority order (lower first), not arrival order.
+    # Each option is observed on vLLM's side: the scheduler's order (priority), the request
+    # stats vLLM keeps (arrival_time), the prompt vLLM tokenized (tokenization_kwargs), and
+    # vLLM's own refusal of a LoRA on an engine without LoRA (lora_request).
+    from vllm.lora.request import LoRARequest
+
+    config = {
+        "stages": [
+            {
+                "id": "thinker",
+                "backend": "vllm",
+                "engine_args": {**THINKER, "scheduling_policy": "priority", "max_num_seqs": 1},
+                "final_output": True,
+                "default_sampling_params": {**GREEDY, "max_tokens": 4},
+            }
+        ]
+    }
+    long = {**GREEDY, "max_tokens": 200}
+    arrival = time.time() - 1000.0
+    async with omni_trio.open_engine(config) as engine:
+        started: list[str] = []
+        finished: dict[str, omni_trio.OmniOutput] = {}
+        blocker_runs = trio.Event()
+
+        async def consume(stream: Any) -> None:
+            async with stream:
+                async for out in stream:
+                    if out.request_id not in started:
+                        started.append(out.request_id)
+                        blocker_runs.set()
+                    if out.finished:
+                        finished[out.request_id] = out
+
+        async with trio.open_nursery() as nursery:
+            blocker = engine.generate(PROMPTS[1], "blocker", long, priority=-10)
+            nursery.start_soon(consume, blocker)
+            await blocker_runs.wait()  # everything after it waits in vLLM
+            for rid, priority, options in [
+                ("low", 5, {"arrival_time": arrival}),
+                ("high", -3, {"tokenization_kwargs": {"truncate_prompt_tokens": 2}}),
+                ("mid", 1, {"trace_headers": {"traceparent": f"00-{'1' * 32}-{'2' * 16}-01"}}),
+            ]:
+                nursery.start_soon(
+                    consume, engine.generate(PROMPTS[1], rid, priority=priority, **options)
+                )
+            # a LoRA reaches vLLM, which refuses it: this engine has no LoRA enabled
+            with pytest.raises(InvalidRequestError, match="LoRA is not enabled"):
+                lora = LoRARequest("adapter", 1, "/nonexistent/adapter")
+                await engine.generate("x", "lora", lora_request=lora).collect()
+        # arrival order was low, high, mid: vLLM ran them by priority
+        assert started == ["blocker", "high", "mid", "low"]
+        assert finished["low"].metrics is not None
+        assert finished["low"].metrics["arrival_time"] == pytest.approx(arrival)
+        assert finished["mid"].metrics is not None
+        assert finished["mid"].metrics["arrival_time"] > arrival + 900
+        # the prompt was truncated where vLLM tokenized it
+        assert finished["high"].metrics is not None
+        assert finished["high"].metrics["num_prompt_tokens"] == 2
+        assert finished["mid"].metrics["num_prompt_tokens"] > 2
+        assert all(out.finish_reason == "length" for out in finished.values())

@@ -55,3 +55,39 @@ def test_metrics_are_built_only_for_the_finished_output() -> None:
         "num_cached_tokens": 0,
         "num_prompt_tokens": 3,
     }
+
+
+def test_request_options_only_what_is_not_vllms_default() -> None:
+    from omni_trio.context import RequestContext
+    from omni_trio.stages._vllm_protocol import request_options
+
+    plain = RequestContext("r", "hi")
+    assert request_options(plain, entry=True) is None
+    assert request_options(plain, entry=False) is None
+    full = RequestContext(
+        "r",
+        "hi",
+        priority=-2,
+        arrival_time=12,
+        lora_request="an adapter",
+        trace_headers={"traceparent": "00-abc"},
+        tokenization_kwargs={"truncate_prompt_tokens": 2},
+    )
+    assert request_options(full, entry=True) == {
+        "priority": -2,
+        "arrival_time": 12.0,
+        "trace_headers": {"traceparent": "00-abc"},
+        "lora_request": "an adapter",
+        "tokenization_kwargs": {"truncate_prompt_tokens": 2},
+    }
+    # a downstream stage's prompt is upstream tokens: the prompt's options stay upstream
+    assert request_options(full, entry=False) == {
+        "priority": -2,
+        "arrival_time": 12.0,
+        "trace_headers": {"traceparent": "00-abc"},
+    }
+    only_prompt = RequestContext("r", "hi", tokenization_kwargs={"add_special_tokens": False})
+    assert request_options(only_prompt, entry=False) is None
+    assert request_options(only_prompt, entry=True) == {
+        "tokenization_kwargs": {"add_special_tokens": False}
+    }
