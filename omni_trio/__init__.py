@@ -27,6 +27,7 @@ from .outputs import (
     StageOutput,
     StageStatistics,
 )
+from .stageinfo import StageInfo
 from .stages._abc import StageBackend
 from .streams import RequestStream
 
@@ -55,6 +56,7 @@ __all__ = [
     "StageConfig",
     "StageError",
     "StageHealth",
+    "StageInfo",
     "StageInput",
     "StageOutput",
     "StageRPCError",

@@ -59,6 +59,7 @@ from .planning import (
     stage_ref,
 )
 from .rpc import fan_out_rpc
+from .stageinfo import StageInfo, SupportedTask, stage_infos, supported_tasks
 from .stages.group import StageGroup
 from .stages.pool import StagePool
 from .streams import RequestStream
@@ -74,8 +75,8 @@ class Engine:
     def __init__(self, config: PipelineConfig, *, check_vllm: bool = False) -> None:
         self.config = config
         self._check_vllm = check_vllm and any(st.backend == "vllm" for st in config.stages)
-        self.stages = StageGroup(config)
-        self.orchestrator = Orchestrator(config, self.stages.pools)
+        self._stage_group = StageGroup(config)
+        self.orchestrator = Orchestrator(config, self._stage_group.pools)
         self._session: AbstractAsyncContextManager[Engine] | None = None  # while open
         self._state = "new"  # new | starting | open | closing | closed
         self._stop_error_raised = False
@@ -135,7 +136,7 @@ class Engine:
     async def _run(self) -> AsyncIterator[Engine]:
         body_error: BaseException | None = None
         async with trio.open_nursery() as nursery:
-            await nursery.start(self.stages.serve)
+            await nursery.start(self._stage_group.serve)
             try:
                 async with trio.open_nursery() as requests:
                     await requests.start(self.orchestrator.serve)
@@ -152,10 +153,10 @@ class Engine:
                 # stages' scope is shielded, so only this cancels it
                 with trio.CancelScope(shield=True):
                     await self._rpcs_ended()
-                self.stages.stop()
+                self._stage_group.stop()
         if body_error is not None:
-            if self.stages.stop_error is not None and not self._stop_error_raised:
-                logger.error("while leaving on %r: %s", body_error, self.stages.stop_error)
+            if self._stage_group.stop_error is not None and not self._stop_error_raised:
+                logger.error("while leaving on %r: %s", body_error, self._stage_group.stop_error)
             raise body_error
         self._raise_stop_error()
 
@@ -174,7 +175,7 @@ class Engine:
 
     def _raise_stop_error(self) -> None:
         self._state = "closed"
-        stop_error = self.stages.stop_error
+        stop_error = self._stage_group.stop_error
         if stop_error is not None and not self._stop_error_raised:
             self._stop_error_raised = True
             raise stop_error
@@ -189,8 +190,8 @@ class Engine:
         with trio.CancelScope(shield=True):
             await self.orchestrator.wait_idle()
             await self._rpcs_ended()
-            self.stages.stop()
-            await self.stages.wait_stopped()
+            self._stage_group.stop()
+            await self._stage_group.wait_stopped()
         self._raise_stop_error()
 
     # -- requests ----------------------------------------------------------------------------
@@ -216,6 +217,7 @@ class Engine:
         trace_headers: Mapping[str, str] | None = None,
         tokenization_kwargs: Mapping[str, Payload] | None = None,
         streaming_input: bool = False,
+        output_modalities: Sequence[str] | None = None,
     ) -> RequestStream:
         """Check a request and return its output stream; it is admitted when the stream is
         entered or first iterated.
@@ -232,13 +234,21 @@ class Engine:
         :class:`~omni_trio.context.RequestContext`: vllm stages hand them to vLLM, other
         backends may read them (``StageBackend.request_context``).
 
+        ``output_modalities`` (e.g. ``("text",)`` or ``("text", "audio")``) picks the output
+        stages by their ``output_type`` instead of ``output_stages`` (combining the two raises
+        :class:`InvalidRequestError`): per modality the ``final_output`` stages of that type,
+        else the last stage of it; only they and what they depend on run. ``"text"`` does not
+        match ``tokens`` stages. An unknown modality, or one no stage produces, raises
+        :class:`InvalidRequestError` naming it and what the pipeline produces
+        (:mod:`omni_trio.stageinfo`).
+
         ``streaming_input=True``: the prompt is the first input segment; send more with
         ``await stream.send_input(segment)`` and end with ``await stream.end_input()``. The
         route must have one entry stage (else :class:`InvalidRequestError`).
         """
         self._check_open()
         first = prompt_to_input(prompt)
-        plan = self._planner.plan(final_stage_id, output_stages)
+        plan = self._planner.plan(final_stage_id, output_stages, output_modalities)
         params = resolve_sampling_params(self.config, sampling_params)
         rid = request_id if request_id is not None else self.orchestrator.new_request_id()
         if not isinstance(rid, str) or not rid:
@@ -477,16 +487,16 @@ class Engine:
     @property
     def pools(self) -> dict[str, StagePool]:
         """The stage pools, by stage id (their replicas, bindings and statistics)."""
-        return self.stages.pools
+        return self._stage_group.pools
 
     @property
     def init_timeline(self) -> dict[str, dict[str, float]]:
         """Per stage: trio-clock ``start``, ``ready`` and ``seconds`` of its start-up."""
-        return self.stages.init_timeline
+        return self._stage_group.init_timeline
 
     def init_phases(self) -> dict[str, list[dict[str, float]]]:
         """Per stage, per replica: seconds from ``start`` to each recorded start-up phase."""
-        return self.stages.init_phases()
+        return self._stage_group.init_phases()
 
     @property
     def closed(self) -> bool:
@@ -496,6 +506,21 @@ class Engine:
     @property
     def stage_ids(self) -> list[str]:
         return self.config.stage_ids
+
+    @property
+    def stages(self) -> tuple[StageInfo, ...]:
+        """Every stage's frozen :class:`~omni_trio.stageinfo.StageInfo` (id, index, backend,
+        output_type, inputs, final_output, replicas: its member replicas now), in config
+        order. Synchronous; a new snapshot each time. The pools are :attr:`pools`."""
+        pools = self._stage_group.pools
+        return stage_infos(self.config, {sid: len(p.replicas) for sid, p in pools.items()})
+
+    @property
+    def supported_tasks(self) -> tuple[SupportedTask, ...]:
+        """``generate`` when a stage produces text, ``speech`` when the pipeline has an audio
+        stage (any stage can be a request's final one); see
+        :func:`~omni_trio.stageinfo.supported_tasks`."""
+        return supported_tasks(self.stages)
 
     def statistics(self) -> EngineStatistics:
         """A frozen snapshot: request counters, admissions waiting, paused, and every stage's
@@ -509,7 +534,7 @@ class Engine:
             requests_failed=orch.n_failed,
             requests_total=orch.n_total,
             closed=self.closed,
-            stages=self.stages.statistics(),
+            stages=self._stage_group.statistics(),
             requests_waiting=admission.waiting,
             paused=admission.paused,
         )
@@ -524,7 +549,7 @@ class Engine:
         return assess_health(self.statistics())
 
     def __repr__(self) -> str:
-        stages = repr(self.stages)
+        stages = repr(self._stage_group)
         return (
             f"<Engine {self.config.name!r} {self._state} "
             f"in_flight={self.orchestrator.requests_in_flight} "

@@ -12,6 +12,7 @@ from typing import Literal
 from .config import PipelineConfig, topological_order
 from .errors import InvalidRequestError
 from .outputs import SamplingParams, StageInput
+from .stageinfo import modality_stages
 
 __all__ = [
     "RequestPlan",
@@ -100,17 +101,29 @@ def plan_request(
     cfg: PipelineConfig,
     final_stage_id: str | int | None = None,
     output_stages: Sequence[str | int] | None = None,
+    output_modalities: Sequence[str] | None = None,
 ) -> RequestPlan:
     """Decide a request's stages (pure). Raises InvalidRequestError naming the bad stage.
 
     With ``final_stage_id`` only that stage and what it depends on run; the default
     ``output_stages`` are the ``final_output`` stages among those, plus the final stage.
+    ``output_modalities`` picks the output stages by their ``output_type`` instead
+    (:func:`~omni_trio.stageinfo.modality_stages`; it cannot be combined with
+    ``output_stages``). Either way only the output stages and what they depend on run: the
+    route ends after the last output stage (a text-only answer never runs the talker).
     """
     allowed = set(cfg.stage_ids)
     final: str | None = None
     if final_stage_id is not None:
         final = stage_ref(cfg, final_stage_id, "final_stage_id")
         allowed = cfg.ancestors(final) | {final}
+    if output_modalities is not None:
+        if output_stages is not None:
+            raise InvalidRequestError(
+                "output_modalities and output_stages cannot be combined: output_modalities "
+                "picks the output stages by their output_type; give one of them"
+            )
+        output_stages = modality_stages(cfg, output_modalities, None if final is None else allowed)
     if output_stages is None:
         outs = [s for s in cfg.final_output_stages if s in allowed]
         if final is not None and final not in outs:
@@ -139,34 +152,40 @@ def plan_request(
 
 
 class RoutePlanner:
-    """Plans a pipeline's requests once per distinct route (``final_stage_id`` and
-    ``output_stages``), not per request. Synchronous; keeps at most ``size`` routes."""
+    """Plans a pipeline's requests once per distinct route (``final_stage_id``,
+    ``output_stages`` and ``output_modalities``), not per request. Synchronous; keeps at most
+    ``size`` routes."""
 
     def __init__(self, cfg: PipelineConfig, size: int = 256) -> None:
         self._cfg = cfg
         self._size = size
-        self._plans: dict[tuple[object, object], RequestPlan] = {}
+        self._plans: dict[tuple[object, object, object], RequestPlan] = {}
 
     def plan(
         self,
         final_stage_id: str | int | None = None,
         output_stages: Sequence[str | int] | None = None,
+        output_modalities: Sequence[str] | None = None,
     ) -> RequestPlan:
         """:func:`plan_request` for this pipeline, remembered. Raises InvalidRequestError."""
-        outputs = (
-            output_stages
-            if output_stages is None or isinstance(output_stages, (str, int))
-            else tuple(output_stages)
-        )
-        key = (final_stage_id, outputs)
+        key = (final_stage_id, _route_key(output_stages), _route_key(output_modalities))
         if not _hashable(key):  # a stage reference no dict can hold: planned, not cached
-            return plan_request(self._cfg, final_stage_id, output_stages)
+            return plan_request(self._cfg, final_stage_id, output_stages, output_modalities)
         plan = self._plans.get(key)
         if plan is None:
-            plan = plan_request(self._cfg, final_stage_id, output_stages)
+            plan = plan_request(self._cfg, final_stage_id, output_stages, output_modalities)
             if len(self._plans) < self._size:
                 self._plans[key] = plan
         return plan
+
+
+def _route_key(refs: object) -> object:
+    # a list of stage refs or modalities keys like the tuple of it; a str or int is itself;
+    # any other iterable is not cached (a list key is unhashable): keying a generator by
+    # identity would only fill the cache
+    if refs is None or isinstance(refs, (str, int)):
+        return refs
+    return tuple(refs) if isinstance(refs, Sequence) else [refs]
 
 
 def _hashable(value: object) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import asdict
 from typing import Any
 
 from starlette.applications import Starlette
@@ -27,6 +28,7 @@ from starlette.routing import Route
 from ..audio import concat_audio, sample_rate_of, wav_bytes
 from ..health import HealthReport, assess_health
 from ..outputs import EngineStatistics
+from .chat_audio import AudioChat, prompt_tokens_of
 from .guard import DEFAULT_MAX_BODY_BYTES, RequestGuard, request_id_of
 from .lifecycle import ServerLifecycle, ServerPhase
 from .metrics import CONTENT_TYPE, EngineMetrics
@@ -49,7 +51,7 @@ from .protocol import (
 )
 from .responses import Computed, EngineJSONResponse, EventStreamResponse, error_for
 
-__all__ = ["create_app", "health_body", "health_report", "json_response"]
+__all__ = ["create_app", "health_body", "health_report", "json_response", "model_card"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,20 @@ def health_body(report: HealthReport) -> dict[str, Any]:
     }
 
 
+def model_card(model: str, engine: Any) -> dict[str, Any]:
+    """The ``/v1/models`` entry of the served pipeline: OpenAI's model object plus
+    ``supported_tasks`` and ``stages`` (each stage's :class:`~omni_trio.stageinfo.StageInfo`
+    as an object; ``replicas`` counts its members now). Synchronous."""
+    return {
+        "id": model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "omni-trio",
+        "supported_tasks": list(engine.supported_tasks),
+        "stages": [asdict(st) for st in engine.stages],
+    }
+
+
 def health_report(
     health: HealthReport | EngineStatistics, phase: ServerPhase = ServerPhase.SERVING
 ) -> tuple[int, dict[str, Any]]:
@@ -121,15 +137,6 @@ def health_report(
     return status, {"status": report.status, "message": report.message, **body}
 
 
-def _prompt_tokens(metrics: Any) -> int:
-    if metrics:
-        for key in ("prompt_tokens", "num_prompt_tokens"):
-            value = metrics.get(key)
-            if isinstance(value, int):
-                return value
-    return 0
-
-
 class _Handlers:
     """The endpoints of one engine (kept on an object so they share engine and metrics)."""
 
@@ -142,12 +149,22 @@ class _Handlers:
         self.lifecycle = lifecycle
         self.text_stage = text_stage(engine.config)
         self.audio_stage = audio_stage(engine.config)
+        self.audio_chat = AudioChat(engine, model, self.text_stage, self.audio_stage)
 
-    def _text_stream(self, prompt: Any, sampling: dict[str, Any], rid: str) -> Any:
+    def _text_stream(self, req: ChatRequest | CompletionRequest, rid: str) -> Any:
+        sampling = {self.text_stage: req.sampling}
+        if isinstance(req, ChatRequest) and req.modalities is not None:
+            # the chat's modalities (text only here) pick the output stages
+            return self.engine.generate(
+                req.prompt,
+                request_id=rid,
+                sampling_params=sampling,
+                output_modalities=req.modalities,
+            )
         return self.engine.generate(
-            prompt,
+            req.prompt,
             request_id=rid,
-            sampling_params={self.text_stage: sampling},
+            sampling_params=sampling,
             final_stage_id=self.text_stage,
             output_stages=[self.text_stage],
         )
@@ -170,6 +187,13 @@ class _Handlers:
             return got
         req, rid = got
         rid = f"chatcmpl-{rid}"
+        if req.modalities is not None and "audio" in req.modalities:
+            if req.stream:
+                events = self.audio_chat.events(req, rid)
+                return EventStreamResponse(events, lifecycle=self.lifecycle)
+            return EngineJSONResponse(
+                lambda: self.audio_chat.complete(req, rid), lifecycle=self.lifecycle
+            )
         if req.stream:
             return EventStreamResponse(self._chat_events(req, rid), lifecycle=self.lifecycle)
         return EngineJSONResponse(
@@ -192,11 +216,11 @@ class _Handlers:
         self, req: ChatRequest | CompletionRequest, rid: str, *, chat: bool
     ) -> Computed:
         text, n_tokens, prompt_tokens, reason = [], 0, 0, None
-        async with self._text_stream(req.prompt, req.sampling, rid) as stream:
+        async with self._text_stream(req, rid) as stream:
             async for out in stream:
                 text.append(out.text)
                 n_tokens += len(out.token_ids)
-                prompt_tokens = prompt_tokens or _prompt_tokens(out.metrics)
+                prompt_tokens = prompt_tokens or prompt_tokens_of(out.metrics)
                 if out.finished:
                     reason = out.finish_reason
         answer = "".join(text)
@@ -231,12 +255,12 @@ class _Handlers:
 
     async def _chat_events(self, req: ChatRequest, rid: str) -> AsyncGenerator[Any, None]:
         created, n_tokens, prompt_tokens = now(), 0, 0
-        async with self._text_stream(req.prompt, req.sampling, rid) as stream:
+        async with self._text_stream(req, rid) as stream:
             # admitted (or raised) by now: the role chunk opens the stream at once
             yield chat_chunk(rid, self.model, created, {"role": "assistant", "content": ""}, None)
             async for out in stream:
                 n_tokens += len(out.token_ids)
-                prompt_tokens = prompt_tokens or _prompt_tokens(out.metrics)
+                prompt_tokens = prompt_tokens or prompt_tokens_of(out.metrics)
                 finish = openai_finish_reason(out.finish_reason) if out.finished else None
                 if out.text or finish:
                     delta = {"content": out.text} if out.text else {}
@@ -251,7 +275,7 @@ class _Handlers:
         self, req: CompletionRequest, rid: str
     ) -> AsyncGenerator[Any, None]:
         created, n_tokens, prompt_tokens = now(), 0, 0
-        async with self._text_stream(req.prompt, req.sampling, rid) as stream:
+        async with self._text_stream(req, rid) as stream:
             if req.echo and isinstance(req.prompt, str):
                 yield completion_chunk(rid, self.model, created, req.prompt, None)
             else:
@@ -259,7 +283,7 @@ class _Handlers:
                 yield completion_chunk(rid, self.model, created, "", None)
             async for out in stream:
                 n_tokens += len(out.token_ids)
-                prompt_tokens = prompt_tokens or _prompt_tokens(out.metrics)
+                prompt_tokens = prompt_tokens or prompt_tokens_of(out.metrics)
                 finish = openai_finish_reason(out.finish_reason) if out.finished else None
                 if out.text or finish:
                     yield completion_chunk(rid, self.model, created, out.text, finish)
@@ -307,8 +331,7 @@ class _Handlers:
         return EngineJSONResponse(compute, raw=True, lifecycle=self.lifecycle)
 
     async def models(self, request: Request) -> Response:
-        card = {"id": self.model, "object": "model", "created": 0, "owned_by": "omni-trio"}
-        return json_response({"object": "list", "data": [card]})
+        return json_response({"object": "list", "data": [model_card(self.model, self.engine)]})
 
     async def health(self, request: Request) -> Response:
         status, body = health_report(self.engine.check_health(), self.lifecycle.phase)

@@ -20,6 +20,8 @@ from ..errors import InvalidRequestError
 from ..runner import audio_stage, text_stage
 
 __all__ = [
+    "AUDIO_FORMATS",
+    "CHAT_MODALITIES",
     "ChatRequest",
     "CompletionRequest",
     "RequestValidationError",
@@ -212,13 +214,23 @@ def _common(body: Any, known_model: str) -> tuple[str, bool, bool]:
     return model, stream, include_usage
 
 
+#: OpenAI's chat output modalities, and the audio formats this server encodes
+CHAT_MODALITIES = ("text", "audio")
+AUDIO_FORMATS = ("wav", "pcm16")
+
+
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
+    """A validated chat request. ``modalities``: the OpenAI ``modalities`` field (None when
+    absent); ``audio_format``: ``wav`` or ``pcm16`` when audio is requested, else None."""
+
     model: str
     prompt: str
     stream: bool
     include_usage: bool
     sampling: dict[str, Any]
+    modalities: tuple[str, ...] | None = None
+    audio_format: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +283,42 @@ def chat_prompt(messages: Sequence[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def _chat_output(
+    body: Mapping[str, Any], stream: bool
+) -> tuple[tuple[str, ...] | None, str | None]:
+    """``modalities`` and the audio format of a chat body (pure). OpenAI's rules: modalities
+    are ``text`` and ``audio``; a stream carries audio as ``pcm16``. ``audio`` may be left
+    out (format ``wav``, or ``pcm16`` when streaming); its ``voice`` is accepted and unused."""
+    value = body.get("modalities")
+    if value is None:
+        return None, None
+    if not isinstance(value, list) or not value:
+        raise RequestValidationError(
+            "modalities must be a non-empty list of 'text' and/or 'audio'", param="modalities"
+        )
+    for i, m in enumerate(value):
+        if m not in CHAT_MODALITIES:
+            raise RequestValidationError(
+                f"modalities[{i}] must be 'text' or 'audio', got {m!r}", param="modalities"
+            )
+    modalities = tuple(dict.fromkeys(value))
+    audio = body.get("audio")
+    if audio is not None and not isinstance(audio, dict):
+        raise RequestValidationError("audio must be an object {voice, format}", param="audio")
+    if "audio" not in modalities:
+        return modalities, None
+    fmt = (audio or {}).get("format", "pcm16" if stream else "wav")
+    if fmt not in AUDIO_FORMATS:
+        raise RequestValidationError(
+            f"audio.format {fmt!r} is not supported; use 'wav' or 'pcm16'", param="audio.format"
+        )
+    if stream and fmt != "pcm16":
+        raise RequestValidationError(
+            f"audio.format must be 'pcm16' when stream is true, got {fmt!r}", param="audio.format"
+        )
+    return modalities, fmt
+
+
 def parse_chat(body: Any, model: str) -> ChatRequest:
     """Validate a ``/v1/chat/completions`` body. Raises RequestValidationError."""
     model, stream, include_usage = _common(body, model)
@@ -291,7 +339,10 @@ def parse_chat(body: Any, model: str) -> ChatRequest:
                 param=f"messages[{i}].role",
             )
         turns.append((role, _message_text(m.get("content"), i)))
-    return ChatRequest(model, chat_prompt(turns), stream, include_usage, _sampling(body))
+    modalities, audio_format = _chat_output(body, stream)
+    return ChatRequest(
+        model, chat_prompt(turns), stream, include_usage, _sampling(body), modalities, audio_format
+    )
 
 
 def parse_completion(body: Any, model: str) -> CompletionRequest:
