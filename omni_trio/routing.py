@@ -16,13 +16,17 @@ of the upstream one.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import trio
 
 from .errors import StageError
 from .observer import ObserverSet, payload_nbytes
 from .outputs import Payload, StageInput, StageOutput
-from .stages.processors import InputProcessor
+from .stages.processors import InputProcessor, StageContext
+
+if TYPE_CHECKING:
+    from .context import RequestContext
 
 __all__ = ["StageFeed", "WholeInput"]
 
@@ -81,6 +85,8 @@ class StageFeed:
     __slots__ = (
         "_closed",
         "_collected",
+        "_context",
+        "_request_context",
         "_observers",
         "_options",
         "_order",
@@ -104,9 +110,14 @@ class StageFeed:
         send: trio.MemorySendChannel[StageInput] | None,
         request_id: str,
         observers: ObserverSet,
+        context: RequestContext | None = None,
     ) -> None:
         self.stage_id = stage_id
         self.request_id = request_id
+        self._request_context = context
+        # the processor's view of the context, built on the first call (most processors
+        # ignore it: no object per feed unless one is processed)
+        self._context: StageContext | None = None
         self._observers = observers
         self._pending = tuple(dict.fromkeys(upstream))  # a handful: no set per feed
         self._order = tuple(upstream)
@@ -122,8 +133,11 @@ class StageFeed:
     def _process(
         self, upstream: Mapping[str, Sequence[StageOutput]], final: bool
     ) -> StageInput | None:
+        context = self._context
+        if context is None and self._request_context is not None:
+            context = self._context = StageContext.of(self._request_context, self.stage_id)
         try:
-            chunk = self._processor(upstream, final=final, options=self._options)
+            chunk = self._processor(upstream, final=final, options=self._options, context=context)
         except Exception as exc:
             raise StageError(
                 f"the input processor of stage {self.stage_id!r} failed for request "

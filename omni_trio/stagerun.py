@@ -188,6 +188,7 @@ class StageRunner:
                 send=send,
                 request_id=req.request_id,
                 observers=self.observers,
+                context=req.context,
             )
             feeds.append(feed)
             for up in st.inputs:
