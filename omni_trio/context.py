@@ -19,11 +19,12 @@ from .outputs import Payload, Prompt, SamplingParams
 
 if TYPE_CHECKING:
     from .companions import PlannedCompanion
+    from .hooks import Artifacts
 
 __all__ = ["RequestContext", "check_request_options"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class RequestContext:
     """One request's context, shared by all its stages. Immutable."""
 
@@ -44,6 +45,10 @@ class RequestContext:
     tokenization_kwargs: Mapping[str, Payload] | None = None
     #: the caller sends the entry stage's input in segments (``RequestStream.send_input``)
     streaming_input: bool = False
+    #: the directories the prompt_transform hooks returned, deleted when the request ends
+    #: (:mod:`omni_trio.hooks`; weakly referenceable so that a stream dropped unentered
+    #: still has them deleted)
+    artifacts: Artifacts | None = None
     #: the entry stage's ``prompt_expand`` companions (:mod:`omni_trio.companions`), and
     #: that stage
     companions: tuple[PlannedCompanion, ...] = ()

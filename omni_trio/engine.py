@@ -48,6 +48,7 @@ from .errors import (
 )
 from .failures import single_leaf
 from .health import HealthReport, assess_health
+from .hooks import PromptHooks
 from .observer import EngineObserver
 from .orchestrator import Orchestrator
 from .outputs import EngineStatistics, OmniOutput, Payload, Prompt, SamplingParams
@@ -83,6 +84,7 @@ class Engine:
         # pending collective_rpc calls: their scope (close cancels it) -> set when they end
         self._rpcs: dict[trio.CancelScope, trio.Event] = {}
         self._planner = RoutePlanner(config)
+        self._prompt_hooks = PromptHooks(config)
         self._expand_hooks = load_expand_hooks(
             [(st.id, None if st.inputs else st.prompt_expand) for st in config.stages],
             source=config.source,
@@ -153,6 +155,8 @@ class Engine:
                 # stages' scope is shielded, so only this cancels it
                 with trio.CancelScope(shield=True):
                     await self._rpcs_ended()
+                    # every request ended: what is left is of streams never entered
+                    await self._prompt_hooks.keeper.aclose()
                 self._stage_group.stop()
         if body_error is not None:
             if self._stage_group.stop_error is not None and not self._stop_error_raised:
@@ -242,12 +246,17 @@ class Engine:
         :class:`InvalidRequestError` naming it and what the pipeline produces
         (:mod:`omni_trio.stageinfo`).
 
+        The ``prompt_transform`` hooks of the route's entry stages run here, synchronously,
+        after the other arguments were checked and before the prompt is; a hook that raises
+        (or returns something bad) raises :class:`InvalidRequestError` naming it and its
+        stage. The directories a hook returns are deleted when the request ends, its
+        admission is refused, or its stream is dropped unentered (:mod:`omni_trio.hooks`).
+
         ``streaming_input=True``: the prompt is the first input segment; send more with
         ``await stream.send_input(segment)`` and end with ``await stream.end_input()``. The
         route must have one entry stage (else :class:`InvalidRequestError`).
         """
         self._check_open()
-        first = prompt_to_input(prompt)
         plan = self._planner.plan(final_stage_id, output_stages, output_modalities)
         params = resolve_sampling_params(self.config, sampling_params)
         rid = request_id if request_id is not None else self.orchestrator.new_request_id()
@@ -256,6 +265,13 @@ class Engine:
         check_request_options(priority, arrival_time, trace_headers, tokenization_kwargs)
         if streaming_input:
             self._check_streaming_input(plan)
+        artifacts = None
+        if self._prompt_hooks:
+            # after every other argument was checked (a refused call runs no hook), before the
+            # prompt is: the hooks may turn what the caller sent into a prompt (omni_trio.hooks)
+            prompt, first, artifacts = self._prompt_hooks.apply(prompt, rid, plan.active)
+        else:
+            first = prompt_to_input(prompt)
         context = RequestContext(
             rid,
             prompt,
@@ -266,9 +282,17 @@ class Engine:
             trace_headers,
             tokenization_kwargs,
             bool(streaming_input),
+            artifacts,
         )
-        if self._expand_hooks:
-            context = self._with_companions(context, plan)
+        try:
+            if self._expand_hooks:
+                context = self._with_companions(context, plan)
+        except InvalidRequestError:
+            if artifacts is not None:
+                artifacts.remove_nowait()
+            raise
+        if artifacts is not None:
+            self._prompt_hooks.keeper.watch(context)
         return RequestStream(self.orchestrator, rid, first, plan, context)
 
     def _with_companions(self, context: RequestContext, plan: RequestPlan) -> RequestContext:

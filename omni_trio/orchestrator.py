@@ -30,6 +30,7 @@ from .admission import AdmissionGate
 from .config import PipelineConfig
 from .context import RequestContext
 from .errors import DuplicateRequestError, EngineClosedError, OmniTrioError
+from .hooks import remove_artifacts
 from .inputs import RequestInput
 from .interactions import Interactions
 from .observer import ObserverSet
@@ -193,6 +194,9 @@ class Orchestrator:
         finally:
             for feed in feeds:
                 feed.close()
+            if req.context.artifacts is not None:
+                # before the request counts as ended: once its stream is left they are gone
+                await remove_artifacts(req.context)
             self._finish(req)
 
     def _finish(self, req: Request) -> None:

@@ -22,6 +22,7 @@ import trio
 
 from .context import RequestContext
 from .errors import InvalidRequestError, OmniTrioError
+from .hooks import check_not_spent, remove_artifacts
 from .outputs import OmniOutput, Prompt, StageInput
 from .planning import RequestPlan, prompt_to_input
 from .requests import RequestHandle
@@ -62,19 +63,24 @@ class RequestStream:
         handle = self._handle
         if handle is None:
             try:
+                check_not_spent(self.context)
                 handle = self._orchestrator.submit_nowait(
                     self.request_id, self._first, self.plan, self.context
                 )
             except trio.WouldBlock:
                 pass
             except OmniTrioError:
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                await remove_artifacts(self.context)  # a cancel-shielded checkpoint
                 raise
             if handle is None:
                 # no room: wait in line (outside the except block: its errors are its own)
-                handle = await self._orchestrator.submit(
-                    self.request_id, self._first, self.plan, self.context
-                )
+                try:
+                    handle = await self._orchestrator.submit(
+                        self.request_id, self._first, self.plan, self.context
+                    )
+                except BaseException:  # refused or cancelled while waiting: it never runs
+                    await remove_artifacts(self.context)
+                    raise
                 self._handle = handle
                 return handle
             self._handle = handle
