@@ -7,7 +7,8 @@ inside the response (:mod:`.responses`), so a client that disconnects cancels it
 task, and with it the request in every stage. :mod:`.serve` runs the app.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/audio/speech``,
-``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+``GET /v1/models``, ``GET /health``, ``GET /metrics``. A chat asking for ``"audio"`` in its
+``modalities`` is answered by :mod:`.chat_audio`.
 """
 
 from __future__ import annotations

@@ -338,6 +338,13 @@ def parse_chat(body: Any, model: str) -> ChatRequest:
                 f"got {role!r}",
                 param=f"messages[{i}].role",
             )
+        if m.get("content") is None and m.get("audio") is not None:
+            raise RequestValidationError(
+                f"messages[{i}] refers to an earlier audio answer, but this server keeps no "
+                "audio between turns (its expires_at is the answer's creation time); send "
+                "that answer's transcript as the message's content",
+                param=f"messages[{i}].content",
+            )
         turns.append((role, _message_text(m.get("content"), i)))
     modalities, audio_format = _chat_output(body, stream)
     return ChatRequest(

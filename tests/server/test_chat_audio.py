@@ -141,6 +141,9 @@ async def test_modalities_bad_input_is_400_naming_the_field():
                 "must be 'pcm16' when stream is true",
             ),
         ]
+        earlier = {"role": "assistant", "content": None, "audio": {"id": "audio_x"}}
+        turns = [*MSG, earlier, *MSG]
+        cases.append(({"messages": turns}, "messages[1].content", "keeps no audio"))
         for extra, param, words in cases:
             r = await http.post(
                 "/v1/chat/completions", json={"model": MODEL, "messages": MSG, **extra}
