@@ -59,6 +59,7 @@ __all__ = [
     "StageAborted",
     "StageBackend",
     "collect_input",
+    "merge_inputs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -83,19 +84,28 @@ async def collect_input(inputs: InputStream) -> StageInput:
     For backends that cannot start on partial input. Checkpoints; returns when the
     upstream sends its final chunk or closes.
     """
+    chunks: list[StageInput] = []
+    async for chunk in inputs:
+        chunks.append(chunk)
+        if chunk.final:
+            break
+    return merge_inputs(chunks)
+
+
+def merge_inputs(chunks: Sequence[StageInput]) -> StageInput:
+    """Several input chunks as one final ``StageInput``: texts and token ids concatenated,
+    data payloads listed (one alone stays itself), the last source. Pure."""
     prompt: str | None = None
     tokens: list[int] = []
     datas: list[object] = []
     source: str | None = None
-    async for chunk in inputs:
+    for chunk in chunks:
         if chunk.prompt is not None:
             prompt = (prompt or "") + chunk.prompt
         tokens.extend(chunk.token_ids)
         if chunk.data is not None:
             datas.append(chunk.data)
         source = chunk.source or source
-        if chunk.final:
-            break
     data: object = None if not datas else datas[0] if len(datas) == 1 else datas
     return StageInput(prompt=prompt, token_ids=tuple(tokens), data=data, final=True, source=source)
 

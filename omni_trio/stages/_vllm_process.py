@@ -41,6 +41,7 @@ def import_vllm() -> SimpleNamespace:
         try:
             import vllm.v1.engine.exceptions as exceptions
             from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.engine.protocol import StreamingInput
             from vllm.exceptions import VLLMValidationError
             from vllm.platforms import current_platform
             from vllm.renderers.inputs.preprocess import parse_model_prompt
@@ -59,6 +60,7 @@ def import_vllm() -> SimpleNamespace:
         DELTA=RequestOutputKind.DELTA,
         FINAL_ONLY=RequestOutputKind.FINAL_ONLY,
         parse_model_prompt=parse_model_prompt,
+        StreamingInput=StreamingInput,
         on_cpu=current_platform.is_cpu(),
     )
 

@@ -85,6 +85,17 @@ class Submit:
     #: the request's per-request vLLM options that are not vLLM's defaults (None: none; see
     #: :func:`request_options`); most requests carry none
     options: dict[str, Any] | None = None
+    #: ``prompt`` is the first of several input segments; the others follow as
+    #: :class:`Segment` commands (vLLM's streaming input: a resumable request)
+    segmented: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """The next input segment of a ``segmented`` request; ``None``: its input ended."""
+
+    request_id: str
+    chunk: StageInput | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,9 +218,16 @@ def metrics_of(ro: Any) -> dict[str, Any] | None:
     return out or None
 
 
+#: the finished output of a streaming-input request whose last segment's output was sent
+_STREAM_END = StageOutput(finished=True, finish_reason="stop")
+
+
 def to_stage_output(ro: Any) -> StageOutput:
     """One vLLM RequestOutput (a delta, or the whole output with FINAL_ONLY) as a
     StageOutput; metrics only on the finished one."""
+    if not ro.outputs:
+        # vLLM's STREAM_FINISHED: a streaming-input request ended with nothing pending
+        return _STREAM_END
     comp = ro.outputs[0]
     if not ro.finished:
         return StageOutput(token_ids=tuple(comp.token_ids), text=comp.text)

@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -34,6 +34,7 @@ import anyio
 import outcome
 
 from ..errors import ConfigError, InvalidRequestError, ReplicaDeadError, StageStartError
+from ..outputs import StageInput
 from ..transport.bridge import BridgeSender
 from ._vllm_inputs import render, sampling_params
 from ._vllm_outputs import LiveRequest, StepOutputs
@@ -47,14 +48,16 @@ from ._vllm_protocol import (
     Ready,
     Resume,
     Rpc,
+    Segment,
     Submit,
     engine_died,
     merge_engine_args,
 )
+from ._vllm_streaming import Segments, collect_segments, segment_stream, streamable
 
 logger = logging.getLogger(__name__)
 
-Command = Submit | Abort | Resume | Rpc
+Command = Submit | Segment | Abort | Resume | Rpc
 
 
 class EngineWorker:
@@ -96,6 +99,7 @@ class EngineWorker:
         self._inbox: list[Command] = []  # commands not yet taken by the loop
         self._inbox_scheduled = False
         self._tasks: dict[str, asyncio.Task[None]] = {}  # request id -> its task
+        self._segments: dict[str, Segments] = {}  # segmented requests' input queues
         self._rpcs: set[asyncio.Task[None]] = set()
         self._outputs: StepOutputs | None = None
 
@@ -260,8 +264,10 @@ class EngineWorker:
                 # never started, or stopping: the request fails at once
                 self._refuse(cmd)
                 return
-            # tracked before its task runs: an Abort or Resume may come first
+            # tracked before its task runs: an Abort, Resume or Segment may come first
             live = outputs.add(cmd.request_id, cmd.flow)
+            if cmd.segmented:
+                self._segments[cmd.request_id] = asyncio.Queue()
             task = self._loop.create_task(self._request(cmd, outputs, live))
             task.add_done_callback(functools.partial(self._request_done, cmd.request_id))
             self._tasks[cmd.request_id] = task
@@ -269,6 +275,10 @@ class EngineWorker:
             running = self._tasks.get(cmd.request_id)
             if running is not None:
                 running.cancel()
+        elif isinstance(cmd, Segment):
+            segments = self._segments.get(cmd.request_id)
+            if segments is not None:
+                segments.put_nowait(cmd.chunk)
         elif isinstance(cmd, Resume):
             if outputs is not None and cmd.request_id in outputs:
                 outputs.mark(cmd.request_id)
@@ -303,7 +313,10 @@ class EngineWorker:
         try:
             options = sub.options
             try:
-                params = sampling_params(v, sub.sampling_params, sub.final_only)
+                # a segmented request streams its outputs: vLLM refuses FINAL_ONLY for it
+                params = sampling_params(
+                    v, sub.sampling_params, sub.final_only and not sub.segmented
+                )
                 if options is None:
                     prompt = render(v, engine, sub.prompt, self.mm_scope)
                 else:
@@ -311,6 +324,9 @@ class EngineWorker:
                     options = dict(options)
                     tokenize = options.pop("tokenization_kwargs", None)
                     prompt = render(v, engine, sub.prompt, self.mm_scope, tokenize)
+                if sub.segmented:
+                    tok = None if options is None else tokenize
+                    prompt = await self._segmented_prompt(sub, params, prompt, tok)
             except (InvalidRequestError, v.ValidationError, ValueError, TypeError) as exc:
                 outputs.post(rid, outcome.Error(_as_invalid(exc)))
                 return
@@ -337,6 +353,7 @@ class EngineWorker:
             # into the collector, which nobody must take
             outputs.remove(rid)
             self._tasks.pop(rid, None)
+            self._segments.pop(rid, None)
             if not live.finished:
                 try:
                     if added:
@@ -344,6 +361,22 @@ class EngineWorker:
                         await asyncio.shield(self._abort_in_engine(rid))
                 finally:
                     outputs.post(rid, END)
+
+    async def _segmented_prompt(
+        self, sub: Submit, params: Any, first: Any, tokenize: Mapping[str, Any] | None
+    ) -> Any:
+        # vLLM's streaming input (_vllm_streaming), or, for params it cannot stream, every
+        # segment merged into one prompt once the input ended
+        v, engine = self.v, self.engine
+        assert v is not None
+        segments = self._segments[sub.request_id]
+
+        def render_one(chunk: StageInput) -> Any:
+            return render(v, engine, chunk, self.mm_scope, tokenize)
+
+        if streamable(params, v.FINAL_ONLY):
+            return segment_stream(v.StreamingInput, first, segments, render_one)
+        return render_one(await collect_segments(sub.prompt, segments))
 
     async def _abort_in_engine(self, request_id: str) -> None:
         assert self.v is not None

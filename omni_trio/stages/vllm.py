@@ -77,7 +77,7 @@ import trio
 
 from ..context import RequestContext
 from ..errors import InvalidRequestError, ReplicaDeadError, StageError
-from ..outputs import StageOutput
+from ..outputs import StageInput, StageOutput
 from ..transport.bridge import BridgeReceiver, open_bridge
 from ._abc import Emit, InputStream, StageBackend, collect_input
 from ._vllm_mm import replica_scope
@@ -90,6 +90,7 @@ from ._vllm_protocol import (
     Flow,
     Resume,
     Rpc,
+    Segment,
     Submit,
     request_options,
 )
@@ -263,8 +264,50 @@ class VllmBackend(StageBackend):
     async def _run(
         self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
     ) -> None:
+        if not self._takes_segments(request_id):
+            await self._submit(request_id, await collect_input(inputs), sampling_params, emit)
+            return
+        # input in segments: vLLM's streaming input (a resumable request), fed as they come
+        try:
+            first = await inputs.receive()
+        except trio.EndOfChannel:
+            first = StageInput()  # no input at all: refused as an empty prompt
+        if first.final:
+            await self._submit(request_id, first, sampling_params, emit)
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._forward_segments, request_id, inputs)
+            done = await outcome.acapture(
+                self._submit, request_id, first, sampling_params, emit, segmented=True
+            )
+            nursery.cancel_scope.cancel()
+        done.unwrap()
+
+    def _takes_segments(self, request_id: str) -> bool:
+        # a stream_input stage, or an entry stage serving a streaming_input request
+        if self.config.stream_input:
+            return True
+        context = self.request_context(request_id)
+        return context is not None and context.streaming_input and not self.config.inputs
+
+    async def _forward_segments(self, request_id: str, inputs: InputStream) -> None:
+        # each chunk to the worker as it comes; the end of the input as None
         assert self._worker is not None
-        prompt = await collect_input(inputs)
+        async for chunk in inputs:
+            if not self._worker.command(Segment(request_id, chunk)) or chunk.final:
+                return
+        self._worker.command(Segment(request_id, None))
+
+    async def _submit(
+        self,
+        request_id: str,
+        prompt: StageInput,
+        sampling_params: Any,
+        emit: Emit,
+        *,
+        segmented: bool = False,
+    ) -> None:
+        assert self._worker is not None
         flow = Flow(self._out_buffer)
         # unbounded here: the worker sends at most flow.window outputs not yet taken
         inbox, items = trio.open_memory_channel[_Item](math.inf)
@@ -274,7 +317,9 @@ class VllmBackend(StageBackend):
         try:
             context = self.request_context(request_id)
             options = None if context is None else request_options(context, entry=self._entry)
-            submit = Submit(request_id, prompt, sampling_params, final_only, flow, options)
+            submit = Submit(
+                request_id, prompt, sampling_params, final_only, flow, options, segmented
+            )
             if self._outputs_ended or not self._worker.command(submit):
                 ended = True  # nothing was submitted: nothing to abort
                 raise self._worker_gone(f"while request {request_id!r} was submitted")

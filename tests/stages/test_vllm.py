@@ -520,3 +520,55 @@ async def test_per_request_options_reach_vllm() -> None:
         assert finished["high"].metrics["num_prompt_tokens"] == 2
         assert finished["mid"].metrics["num_prompt_tokens"] > 2
         assert all(out.finish_reason == "length" for out in finished.values())
+
+
+async def test_streaming_input_reaches_vllm_as_it_comes() -> None:
+    config = {
+        "stages": [
+            {
+                "id": "thinker",
+                "backend": "vllm",
+                "engine_args": THINKER,
+                "final_output": True,
+                "default_sampling_params": {**GREEDY, "max_tokens": 4},
+                "options": {"cpu_bind": "0"},
+            },
+            {
+                "id": "talker",
+                "backend": "vllm",
+                "inputs": ["thinker"],
+                "stream_input": True,
+                "engine_args": TALKER,
+                "final_output": True,
+                "output_type": "tokens",
+                "default_sampling_params": {**GREEDY, "max_tokens": 2},
+                "options": {"cpu_bind": "1"},
+            },
+        ]
+    }
+    async with omni_trio.open_engine(config) as engine:
+        # a streaming-input request: its first output comes while its input is still open
+        async with engine.generate(
+            "hello", final_stage_id="thinker", streaming_input=True
+        ) as stream:
+            first = await stream.receive()
+            assert first.stage_id == "thinker" and first.token_ids and not first.finished
+            await stream.send_input(" tiny world")
+            await stream.end_input()
+            rest = [out async for out in stream]
+        assert rest[-1].finished
+        # vLLM's resumable request: up to max_tokens new tokens per segment
+        assert len(tokens([first, *rest])) == 8
+        # a stream_input talker starts on the thinker's first deltas, not on its end
+        order: list[tuple[str, bool]] = []
+        long = {"thinker": {**GREEDY, "max_tokens": 48}}
+        async with engine.generate("the river", sampling_params=long) as stream:
+            async for out in stream:
+                order.append((out.stage_id, out.finished))
+        first_talker = order.index(("talker", False))
+        assert first_talker < order.index(("thinker", True))
+        assert order[-1] == ("talker", True)
+        assert await engine.collective_rpc("get_num_unfinished_requests") == [0, 0]
+        assert engine.statistics().stage_requests_in_flight == 0
+    assert leftover_engine_processes() == []
+    assert our_threads() == []
