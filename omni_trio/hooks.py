@@ -218,12 +218,14 @@ async def remove_artifacts(context: RequestContext) -> None:
 
 
 def check_not_spent(context: RequestContext) -> None:
-    """Refuse a stream whose artifacts were deleted (its admission was refused before).
-    Pure. Raises :class:`InvalidRequestError`."""
+    """Refuse a stream whose artifacts were deleted: its admission was refused before, or
+    the engine closed (then entering it would be refused anyway). Pure. Raises
+    :class:`InvalidRequestError`."""
     if context.artifacts is not None and context.artifacts.removed:
         raise InvalidRequestError(
-            f"request {context.request_id!r}: this stream was refused admission before and "
-            "its prompt_transform artifacts were deleted then; call generate() again"
+            f"request {context.request_id!r}: its prompt_transform artifacts were deleted "
+            "(this stream was refused admission before, or the engine closed); call "
+            "generate() again"
         )
 
 
