@@ -11,8 +11,13 @@ unless the stage has ``stream_input``), and the backend calls ``await emit(outpu
 after it. ``emit`` may block: that is backpressure, and the backend must let it. Cancelling
 the task that runs ``run_request`` aborts the request in the backend before it returns.
 
+Interactions (``engine.interact`` / ``stream.interact``) reach the replica running a request
+on its entry stage as ``await backend.interact(request_id, payload)``, which calls the
+backend's ``_interact`` hook in the caller's task (default: the backend takes none,
+:class:`~omni_trio.errors.InvalidRequestError` naming the stage).
+
 Subclasses implement ``_start``, ``_run`` and optionally ``_serve_forever``, ``_stop``,
-``_rpc``; this base class gives every backend the same bookkeeping: the replica's
+``_rpc``, ``_interact``; this base class gives every backend the same bookkeeping: the replica's
 :attr:`~StageBackend.state` (starting -> ready -> dead | stopped), per-request cancel scopes
 (for ``abort``), partial outputs, replica death (``_die``) failing exactly the requests and
 RPCs bound to this replica, a stop bounded by ``shutdown_timeout``, and ``statistics()``.

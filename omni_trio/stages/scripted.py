@@ -30,9 +30,15 @@ token_offset,)`` and ``text == f"{stage_id}:{token} "``. So a chain of scripted 
 finished output carries ``metrics == {"output_index": k}``; the others carry none. With
 ``stream_input: true`` output ``k`` is produced as soon as input token ``k`` has arrived.
 
-``received[request_id]`` records the input chunks a request brought, ``aborted`` the ids that
-were cancelled before finishing, ``completed`` those that finished (each keeps the last
-``record`` entries; ``completed == ["r"]`` compares like a list); ``collective_rpc``
+Interactions (``engine.interact`` / ``stream.interact``): ``{"stop": True}`` finishes the
+request now: its next output is its finished one, empty, with ``finish_reason="stop"`` (a
+stop that arrives while an output is being delivered takes effect right after it). Every
+interaction, the stop included, is recorded.
+
+``received[request_id]`` records the input chunks a request brought, ``interactions[request_id]``
+the interactions it received, ``aborted`` the ids that were cancelled before finishing,
+``completed`` those that finished (each keeps the last ``record`` entries;
+``completed == ["r"]`` compares like a list); ``collective_rpc``
 answers ``echo`` (returns its args), ``sleep`` (sleeps ``args[0]`` seconds, returns it),
 ``hang`` (never returns), ``stats`` (the replica's statistics) and ``fail`` (raises).
 """
