@@ -200,6 +200,9 @@ class ArtifactKeeper:
         dirs = [d for each in self._held.values() for d in each.dirs]
         self._held.clear()
         self._orphans = []
+        if not dirs:  # the usual case: no worker thread
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(remove_dirs, dirs)
 
