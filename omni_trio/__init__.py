@@ -1,5 +1,6 @@
 """omni-trio: a trio-native structured-concurrency engine for multi-stage inference."""
 
+from .companions import Companion
 from .config import PipelineConfig, StageConfig, load_config
 from .engine import Engine, open_engine
 from .errors import (
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendUnavailableError",
     "CollectiveRPCTimeoutError",
+    "Companion",
     "ConfigError",
     "DuplicateRequestError",
     "Engine",

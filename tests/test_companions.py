@@ -7,6 +7,7 @@ import pytest
 import trio
 import trio.testing
 
+import omni_trio
 from omni_trio import InvalidRequestError, StageError, open_engine
 from omni_trio.companions import Companion
 from omni_trio.stages.processors import token_handoff
@@ -224,3 +225,17 @@ async def test_cancel_at_every_checkpoint_of_a_request_with_companions(
         assert_nothing_in_flight(engine)
     # whenever b ran, its processor saw both the parent's and the companion's whole output
     assert SEEN and all(seen == {"a": 3, "a:negative": 6} for seen in SEEN)
+
+
+async def test_the_default_processor_hands_on_the_parents_output_only(autojump_clock):
+    cfg = pipeline()
+    del cfg["stages"][1]["input_processor"]  # token_handoff
+    async with open_engine(cfg) as engine:
+        await engine.generate("\x05", request_id="r").collect()
+        (chunk,) = scripted_backends(engine, "b")[0].received["r"]
+        # a's 3 outputs for the parent (byte 5, + 1 each), not the companion's 6
+        assert chunk.token_ids == (6, 6, 6) and chunk.source == "a"
+
+
+def test_companion_is_exported():
+    assert omni_trio.Companion is Companion

@@ -117,7 +117,9 @@ def token_handoff(
 
     ``processor_options``: ``offset`` (int), ``mapping`` ({int: int}), ``vocab_size`` (int),
     ``include_text`` (bool: also hand the upstream text on as ``prompt``, for stages that
-    take text, default false).
+    take text, default false). A request's CFG companions (``"<stage>:<role>"`` beside
+    ``"<stage>"``, see :mod:`omni_trio.companions`) are left out: they are for processors
+    written for them.
     """
     opts = options or {}
     tokens: list[int] = []
@@ -125,6 +127,8 @@ def token_handoff(
     datas: list[Any] = []
     sources = []
     for source, outs in upstream.items():
+        if ":" in source and source.rpartition(":")[0] in upstream:
+            continue  # a companion's outputs
         sources.append(source)
         for out in outs:
             tokens.extend(out.token_ids)
