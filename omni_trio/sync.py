@@ -80,6 +80,11 @@ class SyncEngine:
     def statistics(self) -> EngineStatistics:
         return self._portal.call(self.engine.statistics)
 
+    def interact(self, request_id: str, payload: Any) -> bool:
+        """``Engine.interact``: blocks until the request's entry stage accepted the payload;
+        ``False`` for an unknown or ended request."""
+        return self._portal.call(self.engine.interact, request_id, payload)
+
     def check_health(self) -> HealthReport:
         """``Engine.check_health``: the frozen health report."""
         return self._portal.call(self.engine.check_health)

@@ -45,3 +45,15 @@ def test_sync_membership_pause_and_health():
         assert not engine.statistics().paused
         assert list(engine.generate("x"))[-1].finished
         assert engine.check_health().status == "ok"
+
+
+def test_sync_interact_stops_a_request():
+    cfg = scripted_pipeline(["a"], outputs=1000, latency_s=0.001)
+    with omni_trio.sync.open_engine(cfg) as engine:
+        it = engine.generate("x", request_id="r")
+        next(it)
+        assert engine.interact("r", {"stop": True})
+        rest = list(it)
+        assert rest[-1].finished and rest[-1].finish_reason == "stop"
+        assert len(rest) < 999
+        assert not engine.interact("r", {"stop": True})  # ended
