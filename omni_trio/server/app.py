@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncGenerator, Callable, Mapping
-from dataclasses import asdict
 from typing import Any
 
 from starlette.applications import Starlette
@@ -29,6 +28,15 @@ from starlette.routing import Route
 from ..audio import concat_audio, sample_rate_of, wav_bytes
 from ..health import HealthReport, assess_health
 from ..outputs import EngineStatistics
+from .bodies import (
+    chat_chunk,
+    completion_chunk,
+    error_body,
+    model_card,
+    now,
+    openai_finish_reason,
+    usage,
+)
 from .chat_audio import AudioChat, prompt_tokens_of
 from .guard import DEFAULT_MAX_BODY_BYTES, RequestGuard, request_id_of
 from .lifecycle import ServerLifecycle, ServerPhase
@@ -38,21 +46,15 @@ from .protocol import (
     CompletionRequest,
     RequestValidationError,
     audio_stage,
-    chat_chunk,
-    completion_chunk,
     decode_json,
-    error_body,
-    now,
-    openai_finish_reason,
     parse_chat,
     parse_completion,
     parse_speech,
     text_stage,
-    usage,
 )
 from .responses import Computed, EngineJSONResponse, EventStreamResponse, error_for
 
-__all__ = ["create_app", "health_body", "health_report", "json_response", "model_card"]
+__all__ = ["create_app", "health_body", "health_report", "json_response"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,20 +97,6 @@ def health_body(report: HealthReport) -> dict[str, Any]:
             }
             for st in report.stages
         },
-    }
-
-
-def model_card(model: str, engine: Any) -> dict[str, Any]:
-    """The ``/v1/models`` entry of the served pipeline: OpenAI's model object plus
-    ``supported_tasks`` and ``stages`` (each stage's :class:`~omni_trio.stageinfo.StageInfo`
-    as an object; ``replicas`` counts its members now). Synchronous."""
-    return {
-        "id": model,
-        "object": "model",
-        "created": 0,
-        "owned_by": "omni-trio",
-        "supported_tasks": list(engine.supported_tasks),
-        "stages": [asdict(st) for st in engine.stages],
     }
 
 

@@ -21,7 +21,8 @@ from typing import Any
 
 from ..audio import concat_audio, pcm16_bytes, sample_rate_of, to_float_list, wav_bytes
 from ..outputs import OmniOutput
-from .protocol import ChatRequest, chat_chunk, now, openai_finish_reason, usage
+from .bodies import chat_chunk, now, openai_finish_reason, usage
+from .protocol import ChatRequest
 from .responses import Computed
 
 __all__ = ["AudioChat", "audio_message", "engine_modalities", "prompt_tokens_of"]

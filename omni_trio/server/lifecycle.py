@@ -18,7 +18,7 @@ import enum
 import trio
 
 from .asgi import Headers
-from .protocol import error_body
+from .bodies import error_body
 
 __all__ = ["RETRY_AFTER_S", "WORK_PATHS", "ServerLifecycle", "ServerPhase", "refusal"]
 

@@ -1,4 +1,4 @@
-"""The OpenAI wire format: request validation, sampling-param mapping, response bodies.
+"""The OpenAI wire format of requests: validation and sampling-param mapping.
 
 Everything here is pure and synchronous. Request bodies are validated by hand (no pydantic)
 so that a 400's message says exactly which field is wrong and why; every problem raises
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -390,54 +389,3 @@ def parse_speech(body: Any, model: str) -> SpeechRequest:
             f"response_format {fmt!r} is not supported; only 'wav'", param="response_format"
         )
     return SpeechRequest(model, text, voice, _sampling(body))
-
-
-# -- response bodies ----------------------------------------------------------------------------
-
-
-def error_body(
-    message: str, *, type_: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    """The OpenAI error body: ``{"error": {message, type, param, code}}``. Pure."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def chat_chunk(
-    rid: str, model: str, created: int, delta: dict[str, Any], finish: str | None
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-    }
-
-
-def completion_chunk(
-    rid: str, model: str, created: int, text: str, finish: str | None
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-    }
-
-
-def openai_finish_reason(reason: str | None) -> str:
-    """Our finish reasons -> OpenAI's (``stop``/``length``; an abort reads as ``stop``)."""
-    return "length" if reason == "length" else "stop"
-
-
-def now() -> int:
-    return int(time.time())

@@ -31,8 +31,9 @@ from ..errors import (
     StageError,
 )
 from .asgi import Headers, Receive, Scope, Send, note, send_json
+from .bodies import error_body
 from .lifecycle import ServerLifecycle
-from .protocol import RequestTooLargeError, RequestValidationError, error_body
+from .protocol import RequestTooLargeError, RequestValidationError
 
 __all__ = [
     "EngineJSONResponse",
