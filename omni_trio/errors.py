@@ -20,6 +20,7 @@ OmniTrioError
  +-- CollectiveRPCTimeoutError (also TimeoutError)
  +-- BackendUnavailableError (also ImportError) an optional dependency is missing
  +-- ServerBindError (also OSError)            the HTTP server cannot listen on host:port
+ +-- CodecError (also ValueError)             a message for another process cannot be (de)coded
 ```
 """
 
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BackendUnavailableError",
+    "CodecError",
     "CollectiveRPCTimeoutError",
     "ConfigError",
     "DuplicateRequestError",
@@ -199,3 +201,17 @@ class ServerBindError(OmniTrioError, OSError):
         self.port = port
         reason = cause.strerror or str(cause)
         super().__init__(cause.errno, f"cannot listen on {host}:{port}: {reason}")
+
+
+class CodecError(OmniTrioError, ValueError):
+    """A message to or from a replica in another process (a Ray actor) cannot be encoded
+    (a value that cannot cross: an unpicklable object) or decoded (malformed bytes, the wrong
+    message, a payload that fails to rebuild). ``operation`` is ``"encode"`` or ``"decode"``,
+    ``what`` the message (``"inputs"``, ``"outputs"``, ``"context"``, ``"value"``),
+    ``reason`` what was wrong. A stage that meets one fails the request it belongs to."""
+
+    def __init__(self, operation: str, what: str, reason: str) -> None:
+        self.operation = operation
+        self.what = what
+        self.reason = reason
+        super().__init__(f"cannot {operation} the {what} message: {reason}")
