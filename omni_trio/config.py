@@ -39,7 +39,10 @@ __all__ = [
     "BUILTIN_BACKENDS",
     "MAX_REPLICAS",
     "OUTPUT_TYPES",
+    "PLACEMENTS",
     "PipelineConfig",
+    "Placement",
+    "RayPlacement",
     "StageConfig",
     "check_vllm_stages",
     "config_schema",
@@ -79,6 +82,39 @@ RestartPolicy = Literal["never", "on-failure"]
 
 def _doc(text: str, **extra: Value) -> Meta:
     return Meta(description=text, **extra)
+
+
+_NON_NEGATIVE = Annotated[float, Meta(ge=0)]
+
+
+class RayPlacement(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A stage's replicas as Ray actors (``docs/ray.md``): where and with what resources."""
+
+    address: Annotated[
+        Annotated[str, Meta(min_length=1)] | None,
+        _doc(
+            "an existing Ray cluster ('ray://head:10001', 'auto'); default: a local Ray "
+            "started for the engine and shut down when it closes"
+        ),
+    ] = None
+    num_cpus: Annotated[_NON_NEGATIVE, _doc("CPUs each replica's actor reserves")] = 1.0
+    num_gpus: Annotated[_NON_NEGATIVE, _doc("GPUs each replica's actor reserves")] = 0.0
+    resources: Annotated[
+        dict[str, _NON_NEGATIVE], _doc("custom Ray resources each actor reserves, by name")
+    ] = {}
+    runtime_env: Annotated[
+        dict[str, Value], _doc("the actors' Ray runtime_env (pip, env_vars, working_dir ...)")
+    ] = {}
+
+
+class Placement(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Where a stage's replicas run instead of this process."""
+
+    ray: Annotated[RayPlacement | None, _doc("as Ray actors")] = None
+
+
+#: the placements a stage may name (the keys of ``placement``)
+PLACEMENTS = ("ray",)
 
 
 class StageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -188,6 +224,10 @@ class StageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "ready, before failing with NoLiveReplicaError"
         ),
     ] = 10.0
+    placement: Annotated[
+        Placement | None,
+        _doc("where the replicas run (ray: as Ray actors); default: in this process"),
+    ] = None
 
 
 class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True):
@@ -324,7 +364,11 @@ def _deep_merge(base: dict[str, Value], extra: Mapping[str, Value]) -> dict[str,
 def _as_data(cfg: PipelineConfig) -> dict[str, Value]:
     # not msgspec.to_builtins: a config built in Python may hold callables (a torch factory)
     data = msgspec.structs.asdict(cfg)
-    data["stages"] = [msgspec.structs.asdict(s) for s in cfg.stages]
+    # placement as plain data, so that stage_overrides deep-merge into it
+    data["stages"] = [
+        {**msgspec.structs.asdict(s), "placement": msgspec.to_builtins(s.placement)}
+        for s in cfg.stages
+    ]
     data.pop("source", None)
     return data
 
@@ -484,6 +528,7 @@ def validate(cfg: PipelineConfig, *, check_vllm: bool = True) -> None:
     for i, st in enumerate(cfg.stages):
         _check_entry_hooks(st, i, src)
         check_stage(st, i, src, check_vllm=check_vllm)
+    _check_placements(cfg.stages, src)
 
 
 #: the hooks only an entry stage may name (they act on the request's prompt)
@@ -505,6 +550,38 @@ def _check_entry_hooks(st: StageConfig, index: int, source: str | None) -> None:
                 source=source,
             )
         import_dotted(path, what=key, where=where, source=source)
+
+
+def _check_placements(stages: list[StageConfig], source: str | None) -> None:
+    # Pure. A process holds one Ray connection, so all Ray stages share one address.
+    first: tuple[int, str | None] | None = None
+    for i, st in enumerate(stages):
+        if st.placement is None:
+            continue
+        where = f"$.stages[{i}].placement"
+        if st.placement.ray is None:
+            raise ConfigError(
+                f"a placement names where the replicas run: one of {', '.join(PLACEMENTS)} "
+                "(e.g. placement: {ray: {num_cpus: 1}}); leave placement out to run them here",
+                path=where,
+                source=source,
+            )
+        address = st.placement.ray.address
+        if first is None:
+            first = (i, address)
+        elif address != first[1]:
+            raise ConfigError(
+                f"stage {st.id!r} is placed on Ray at {_ray_address(address)} but stage "
+                f"{stages[first[0]].id!r} ($.stages[{first[0]}]) at "
+                f"{_ray_address(first[1])}: an engine connects to one Ray cluster, so every "
+                "Ray stage must name the same address",
+                path=f"{where}.ray.address",
+                source=source,
+            )
+
+
+def _ray_address(address: str | None) -> str:
+    return "a local Ray (no address)" if address is None else repr(address)
 
 
 def config_schema() -> dict[str, Value]:

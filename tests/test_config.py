@@ -583,11 +583,101 @@ def test_schema_fields_have_descriptions():
     from omni_trio.config import config_schema
 
     defs = config_schema()["$defs"]
-    for name in ("PipelineConfig", "StageConfig", "ScriptedOptions", "TorchOptions", "VllmOptions"):
+    names = ("PipelineConfig", "StageConfig", "Placement", "RayPlacement")
+    for name in (*names, "ScriptedOptions", "TorchOptions", "VllmOptions"):
         props = defs[name]["properties"]
         missing = [k for k, v in props.items() if not v.get("description")]
         assert not missing, (name, missing)
     assert "source" not in defs["PipelineConfig"]["properties"]
+
+
+# -- placement: where a stage's replicas run ---------------------------------------------
+
+
+def test_ray_placement_loads_with_defaults_and_every_key(tmp_path):
+    from omni_trio.config import Placement, RayPlacement
+
+    data = linear("thinker", "talker")
+    data["stages"][0]["placement"] = {"ray": {}}
+    data["stages"][1]["placement"] = {
+        "ray": {
+            "num_cpus": 0.5,
+            "num_gpus": 1,
+            "resources": {"accelerator_type:A10": 0.25},
+            "runtime_env": {"env_vars": {"HF_HOME": "/cache"}, "pip": ["numpy"]},
+        }
+    }
+    cfg = load_config(data)
+    assert cfg.stage("thinker").placement == Placement(ray=RayPlacement())
+    assert RayPlacement() == RayPlacement(
+        address=None, num_cpus=1.0, num_gpus=0.0, resources={}, runtime_env={}
+    )
+    ray = cfg.stage("talker").placement.ray
+    assert (ray.num_cpus, ray.num_gpus) == (0.5, 1.0)
+    assert ray.resources == {"accelerator_type:A10": 0.25}
+    assert ray.runtime_env == {"env_vars": {"HF_HOME": "/cache"}, "pip": ["numpy"]}
+    assert load_config(linear("a")).stage("a").placement is None
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "stages:\n  - id: a\n    final_output: true\n"
+        "    placement: {ray: {address: 'ray://head:10001', num_gpus: 2}}\n"
+    )
+    ray = load_config(path).stage("a").placement.ray
+    assert (ray.address, ray.num_gpus, ray.num_cpus) == ("ray://head:10001", 2.0, 1.0)
+
+
+def test_stage_overrides_merge_into_a_placement():
+    data = linear("a")
+    data["stages"][0]["placement"] = {"ray": {"num_gpus": 1, "resources": {"x": 1}}}
+    for config in (data, load_config(data)):  # a dict, and a loaded config
+        cfg = load_config(config, stage_overrides={"a": {"placement": {"ray": {"num_cpus": 2}}}})
+        ray = cfg.stage("a").placement.ray
+        assert (ray.num_cpus, ray.num_gpus, ray.resources) == (2.0, 1.0, {"x": 1.0})
+
+
+@pytest.mark.parametrize(
+    ("placement", "where", "reason"),
+    [
+        ({}, "$.stages[0].placement", "one of ray .*leave placement out"),
+        ({"ray": None}, "$.stages[0].placement", "one of ray"),
+        ({"kubernetes": {}}, "$.stages[0].placement.kubernetes", "unknown field"),
+        ({"ray": {"num_cpus": -1}}, "$.stages[0].placement.ray.num_cpus", ">= 0"),
+        ({"ray": {"num_gpus": -0.5}}, "$.stages[0].placement.ray.num_gpus", ">= 0"),
+        ({"ray": {"resources": {"x": -1}}}, r"$.stages[0].placement.ray.resources", ">= 0"),
+        ({"ray": {"resources": {"x": "a"}}}, r"$.stages[0].placement.ray.resources", "float"),
+        ({"ray": {"address": ""}}, "$.stages[0].placement.ray.address", "length >= 1"),
+        ({"ray": {"adress": "auto"}}, "$.stages[0].placement.ray.adress", "unknown field"),
+        ({"ray": {"runtime_env": []}}, "$.stages[0].placement.ray.runtime_env", "object"),
+    ],
+)
+def test_bad_placements_are_config_errors_at_their_path(placement, where, reason):
+    data = linear("a")
+    data["stages"][0]["placement"] = placement
+    with pytest.raises(ConfigError, match=reason) as info:
+        load_config(data)
+    assert info.value.path.startswith(where), info.value.path
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "named"),
+    [
+        (
+            "ray://a:10001",
+            "ray://b:10001",
+            "at 'ray://b:10001' but stage 'a' .* at 'ray://a:10001'",
+        ),
+        (None, "auto", "at 'auto' but stage 'a' .* at a local Ray \\(no address\\)"),
+    ],
+)
+def test_ray_stages_must_share_one_address(first, second, named):
+    data = linear("a", "b", "c")
+    data["stages"][0]["placement"] = {"ray": {"address": first}}
+    data["stages"][2]["placement"] = {"ray": {"address": second}}
+    with pytest.raises(ConfigError, match=named + ".*one Ray cluster") as info:
+        load_config(data)
+    assert info.value.path == "$.stages[2].placement.ray.address"
+    data["stages"][2]["placement"] = {"ray": {"address": first, "num_cpus": 2}}
+    assert load_config(data).stage("c").placement.ray.address == first  # the same: fine
 
 
 # -- omni-trio validate: exit 2 and one line naming the file and path -------------------
