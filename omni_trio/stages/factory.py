@@ -23,7 +23,14 @@ _BUILTIN = {
 
 
 def create_backend(config: StageConfig, *, stage_index: int, replica: int) -> StageBackend:
-    """Build one replica of a stage from its config. Raises ConfigError/BackendUnavailableError."""
+    """Build one replica of a stage from its config: a :class:`~.ray.RayBackend` (which
+    builds the stage's backend inside a Ray actor) when the stage is placed on Ray. Raises
+    ConfigError/BackendUnavailableError."""
+    placement = getattr(config, "placement", None)
+    if placement is not None and placement.ray is not None:
+        from .ray import RayBackend  # imports no ray: that happens when it starts
+
+        return RayBackend(config, stage_index=stage_index, replica=replica)
     where = f"$.stages[{stage_index}].backend"
     module_name, attr = _BUILTIN.get(config.backend, (None, None))
     if module_name is None:

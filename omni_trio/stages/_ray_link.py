@@ -1,0 +1,229 @@
+"""The process's link to Ray: the connection, and one asyncio loop where Ray calls are awaited.
+
+Ray's client API is asyncio-native (an ``ObjectRef`` and a streaming ``ObjectRefGenerator``
+are awaitable there) or blocking. Rather than a thread per pending call, every Ray call of
+this process is awaited on one asyncio loop in one daemon thread (:class:`RayLink`); the trio
+side waits for the result on an event set through ``TrioToken.run_sync_soon``
+(:func:`wait_future`), so a thousand requests in flight cost a thousand asyncio tasks, not a
+thousand threads. Output streams come back batched and bounded (:class:`RemoteStream`).
+
+The connection is shared and counted: the first replica that needs Ray connects (``address``:
+an existing cluster; ``None``: a local Ray started for this process, with this machine's CPUs)
+and the last one to stop disconnects, shutting a local Ray down (its processes exit). One
+address per process: a second, different one is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import trio
+
+from ..errors import BackendUnavailableError, ConfigError
+
+__all__ = ["RayLink", "RemoteStream", "wait_future"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class RayLink:
+    """The Ray connection of this process and its asyncio loop. See the module docstring."""
+
+    _lock = threading.Lock()
+    _current: RayLink | None = None
+
+    def __init__(self, address: str | None) -> None:
+        try:
+            import ray
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"a stage placed on Ray needs ray ({exc.name or exc}); install omni-trio[ray]"
+            ) from exc
+        self.ray: Any = ray
+        self.address = address
+        self.users = 0
+        self.started_ray = False
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="omni-trio-ray-link", daemon=True
+        )
+
+    # -- ownership (blocking: call from a worker thread) -------------------------------------
+    @classmethod
+    def acquire(cls, address: str | None) -> RayLink:
+        """Connect (or share the connection): ``ray.init`` the first time (~2 s for a local
+        Ray). Blocking. Raises ConfigError for a second, different address,
+        BackendUnavailableError without ray."""
+        with cls._lock:
+            link = cls._current
+            if link is None:
+                link = RayLink(address)
+                link._connect()
+                cls._current = link
+            elif link.address != address:
+                raise ConfigError(
+                    f"this process is connected to Ray at {link.address or 'a local Ray'}; a "
+                    f"stage asks for {address or 'a local Ray'} (one Ray per process)"
+                )
+            link.users += 1
+            return link
+
+    def _connect(self) -> None:
+        ray = self.ray
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+            if self.address is None:
+                kwargs["num_cpus"] = os.cpu_count() or 1
+            else:
+                kwargs["address"] = self.address
+            ray.init(**kwargs)
+            self.started_ray = True
+        self._thread.start()
+
+    def release(self) -> None:
+        """One user fewer; the last one disconnects (a local Ray it started is shut down and
+        its processes exit). Blocking."""
+        with RayLink._lock:
+            self.users -= 1
+            if self.users > 0:
+                return
+            RayLink._current = None
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        if self.started_ray:
+            self.ray.shutdown()
+
+    # -- calls -----------------------------------------------------------------------------
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the link's loop. Thread-safe, never blocks."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def call(self, ref: Any) -> Any:
+        """Await one ObjectRef from trio. Checkpoints; cancelled, it stops waiting (the remote
+        call is not cancelled: use ``ray.cancel`` for that)."""
+        return await wait_future(self.submit(_awaited(ref)))
+
+    def cancel(self, ref: Any) -> None:
+        """``ray.cancel`` a call or stream, on the link's loop. Thread-safe, never blocks."""
+        self.loop.call_soon_threadsafe(self._cancel, ref)
+
+    def _cancel(self, ref: Any) -> None:
+        try:
+            self.ray.cancel(ref)
+        except Exception as exc:  # an ended call cannot be cancelled: nothing to do
+            logger.debug("ray.cancel: %r", exc)
+
+    def __repr__(self) -> str:
+        where = self.address or "local"
+        return f"<RayLink {where} users={self.users}{' started' if self.started_ray else ''}>"
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref
+
+
+async def wait_future(fut: concurrent.futures.Future[T]) -> T:
+    """Wait in trio for a future completed in another thread. Checkpoints; cancelled, the
+    future is cancelled (its asyncio task too) and the cancellation propagates."""
+    token = trio.lowlevel.current_trio_token()
+    done = trio.Event()
+
+    def wake(_: object) -> None:
+        try:
+            token.run_sync_soon(done.set)
+        except trio.RunFinishedError:
+            pass
+
+    fut.add_done_callback(wake)
+    try:
+        await done.wait()
+    except trio.Cancelled:
+        fut.cancel()
+        raise
+    return fut.result()
+
+
+class RemoteStream:
+    """One remote streaming call's items, consumed on the link's loop and handed to trio, at
+    most ``window`` taken from Ray and not yet received here (backpressure reaches the actor
+    through Ray's own generator backpressure).
+
+    ``receive()`` (trio) returns the next item and raises ``trio.EndOfChannel`` at the end,
+    or what the stream raised. ``cancel()`` asks Ray to cancel the call; the stream then ends.
+    """
+
+    def __init__(self, link: RayLink, gen: Any, window: int, decode: Callable[[Any], T]) -> None:
+        self._link = link
+        self._gen = gen
+        self._window = max(window, 1)
+        self._decode = decode
+        self._items: deque[Any] = deque()
+        self._ended: BaseException | None = None
+        self._done = False
+        self._token = trio.lowlevel.current_trio_token()
+        self._ready = trio.Event()  # set when items or the end are here
+        self._room = asyncio.Event()  # (link loop) the trio side took items
+        self._task = link.submit(self._pump())
+
+    async def _pump(self) -> None:
+        try:
+            async for ref in self._gen:
+                item = await ref
+                while len(self._items) >= self._window:
+                    self._room.clear()
+                    await self._room.wait()
+                self._items.append(item)
+                self._wake()
+        except BaseException as exc:  # the stream's failure or cancellation, kept for trio
+            self._ended = exc
+        self._done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._token.run_sync_soon(self._ready.set)
+        except trio.RunFinishedError:
+            pass
+
+    async def receive(self) -> Any:
+        """The next item (decoded). Checkpoints."""
+        while not self._items:
+            if self._done:
+                await trio.lowlevel.checkpoint()
+                if self._ended is not None and not isinstance(self._ended, StopAsyncIteration):
+                    raise self._ended
+                raise trio.EndOfChannel
+            self._ready = trio.Event()
+            if self._items or self._done:
+                continue
+            await self._ready.wait()
+        item = self._items.popleft()
+        self._link.loop.call_soon_threadsafe(self._room.set)
+        await trio.lowlevel.checkpoint()
+        return self._decode(item)
+
+    def cancel(self) -> None:
+        """``ray.cancel`` the call. Thread-safe, never blocks."""
+        self._link.cancel(self._gen)
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    async def wait_done(self) -> None:
+        """Wait until the stream ended (items left are dropped). Checkpoints."""
+        while not self._done:
+            self._ready = trio.Event()
+            if self._done:
+                break
+            await self._ready.wait()
+        await trio.lowlevel.checkpoint()

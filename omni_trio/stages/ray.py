@@ -1,0 +1,297 @@
+"""Stage replicas as Ray actors: the backend a stage with ``placement: {ray: ...}`` gets.
+
+:class:`RayBackend` is the replica as the pool sees it, in the user's trio process; the
+stage's own backend (``backend:`` scripted, vllm, torch or a user's) runs inside a Ray actor
+(:class:`~._ray_actor.ReplicaActor`) under the same :class:`StageBackend` contract, placed
+with the stage's ``num_cpus``, ``num_gpus``, ``resources`` and ``runtime_env``. Nothing above
+the pool changes: bindings, restarts, membership, health and metrics work as for local
+replicas.
+
+- **Start**: connect to Ray (:class:`~._ray_link.RayLink`; a local Ray started for this
+  process unless ``address`` names a cluster), check that some node can hold the placement
+  (else :class:`StageStartError` saying what was asked and what the nodes have, at once),
+  create the actor and start its backend, bounded by the stage's init timeout.
+- **Requests**: the input crosses with the call (or chunk by chunk for a ``stream_input``
+  stage or a ``streaming_input`` request), outputs come back as one Ray object per batch
+  (what the backend emitted together), at most ``window`` batches in flight. Cancelling a
+  request ``ray.cancel``-s the call; the actor aborts it in its backend before the call ends,
+  and ``_run`` returns only after that (bounded by ``abort_timeout_s``).
+- **Death**: a sentinel call per actor returns when its backend dies and fails when the actor
+  does (a killed process or node): the replica dies then, failing exactly its requests, and
+  the pool's restart policy applies. ``health_timeout_s``: an actor that does not answer a
+  health call in time counts as dead (hung).
+- **Stop**: the actor stops its backend (bounded by ``shutdown_timeout``) and is killed; the
+  last replica of the process disconnects from Ray (a local Ray it started shuts down).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+import outcome
+import trio
+
+from ..errors import InvalidRequestError, ReplicaDeadError, StageStartError, StageStopError
+from ..outputs import Payload, StageInput
+from ..transport import codec
+from ._abc import Emit, InputStream, StageBackend, collect_input
+from ._ray_actor import BATCH, ReplicaActor, raise_record
+from ._ray_link import RayLink, RemoteStream
+
+__all__ = ["RayBackend", "placement_problem"]
+
+logger = logging.getLogger(__name__)
+
+#: batches of outputs a request may have on the wire, unread
+WINDOW = 16
+#: seconds a cancelled request may take to be dropped in the actor
+ABORT_TIMEOUT_S = 10.0
+#: seconds between health calls, and how long one may take before the actor counts as hung
+HEALTH_INTERVAL_S = 5.0
+HEALTH_TIMEOUT_S = 10.0
+
+
+def placement_problem(asked: dict[str, float], nodes: list[dict[str, float]]) -> str | None:
+    """Why no node can hold ``asked`` (resource -> amount), or ``None`` if one can. Pure."""
+    wanted = {k: v for k, v in asked.items() if v > 0}
+    if not wanted:
+        return None
+    for node in nodes:
+        if all(node.get(k, 0.0) >= v for k, v in wanted.items()):
+            return None
+    have = "; ".join(
+        ", ".join(f"{k}={v:g}" for k, v in sorted(node.items()) if k in wanted) or "none of them"
+        for node in nodes
+    )
+    ask = ", ".join(f"{k}={v:g}" for k, v in sorted(wanted.items()))
+    return f"no Ray node has {ask} (the nodes have: {have or 'no nodes'})"
+
+
+class RayBackend(StageBackend):
+    """One replica of a stage, running in a Ray actor. See the module docstring."""
+
+    backend_name = "ray"
+
+    def __init__(self, config: Any, *, stage_index: int, replica: int = 0) -> None:
+        super().__init__(config, stage_index=stage_index, replica=replica)
+        assert config.placement is not None and config.placement.ray is not None
+        self._placement = config.placement.ray
+        self._link: RayLink | None = None
+        self._actor: Any = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def _start(self) -> None:
+        address = self._placement.address
+        self._link = link = await trio.to_thread.run_sync(RayLink.acquire, address)
+        self.mark_phase("ray_connected")
+        ray = link.ray
+        p = self._placement
+        asked = {"CPU": float(p.num_cpus), "GPU": float(p.num_gpus), **p.resources}
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        problem = placement_problem(asked, nodes)
+        if problem is not None:
+            raise StageStartError(self.stage_id, f"replica {self.name}: {problem}")
+        inner = msgspec.structs.replace(self.config, placement=None)
+        options: dict[str, Any] = {
+            "num_cpus": p.num_cpus,
+            "num_gpus": p.num_gpus,
+            "max_restarts": 0,  # the pool restarts replicas itself (restart: on-failure)
+            "max_concurrency": 10_000,
+            "name": None,
+        }
+        if p.resources:
+            options["resources"] = dict(p.resources)
+        if p.runtime_env:
+            options["runtime_env"] = dict(p.runtime_env)
+        self._actor = (
+            ray.remote(ReplicaActor)
+            .options(**options)
+            .remote(
+                msgspec.json.encode(inner), self.stage_index, self.replica, self.shutdown_timeout
+            )
+        )
+        await link.call(self._actor.start.remote())
+        self.mark_phase("actor_ready")
+
+    async def _serve_forever(self) -> None:
+        assert self._link is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._check_health)
+            try:
+                reason = await self._link.call(self._actor.sentinel.remote())
+            except Exception as exc:  # the actor (process, node) died
+                raise ReplicaDeadError(
+                    f"replica {self.name}: its Ray actor died: {type(exc).__name__}: {exc}",
+                    stage_id=self.stage_id,
+                    replica=self.replica,
+                ) from exc
+            raise ReplicaDeadError(
+                f"replica {self.name}: its backend in the Ray actor ended: {reason}",
+                stage_id=self.stage_id,
+                replica=self.replica,
+            )
+
+    async def _check_health(self) -> None:
+        # a hung actor answers nothing: it counts as dead after HEALTH_TIMEOUT_S
+        assert self._link is not None
+        while True:
+            await trio.sleep(HEALTH_INTERVAL_S)
+            with trio.move_on_after(HEALTH_TIMEOUT_S) as scope:
+                try:
+                    await self._link.call(self._actor.statistics.remote())
+                except Exception:
+                    return  # a dead actor: the sentinel reports it
+            if scope.cancelled_caught:
+                self._die(
+                    ReplicaDeadError(
+                        f"replica {self.name}: its Ray actor did not answer a health call "
+                        f"within {HEALTH_TIMEOUT_S}s",
+                        stage_id=self.stage_id,
+                        replica=self.replica,
+                    )
+                )
+                return
+
+    async def _stop(self) -> None:
+        link = self._link
+        if link is None:
+            return
+        failure: str | None = None
+        try:
+            if self._actor is not None:
+                with trio.move_on_after(self.shutdown_timeout):
+                    try:
+                        failure = await link.call(self._actor.stop.remote())
+                    except Exception:
+                        pass  # a dead actor has nothing left to stop
+                link.ray.kill(self._actor, no_restart=True)
+                self._actor = None
+        finally:
+            self._link = None
+            await trio.to_thread.run_sync(link.release)
+        if failure is not None:
+            raise StageStopError([(self.name, RuntimeError(failure))])
+
+    async def actor_pid(self) -> int:
+        """The process id of this replica's Ray actor (e.g. to kill it in a test).
+        Checkpoints. Raises ReplicaDeadError when the replica is not ready."""
+        if self._link is None or self._actor is None or not self.alive:
+            await trio.lowlevel.checkpoint()
+            raise self._unavailable_error(None)
+        pid: int = await self._link.call(self._actor.pid.remote())
+        return pid
+
+    # -- requests --------------------------------------------------------------------------
+    def _takes_segments(self, request_id: str) -> bool:
+        if self.config.stream_input:
+            return True
+        context = self.request_context(request_id)
+        return context is not None and context.streaming_input and not self.config.inputs
+
+    async def _run(
+        self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
+    ) -> None:
+        link = self._link
+        assert link is not None
+        more = self._takes_segments(request_id)
+        if more:
+            try:
+                first = await inputs.receive()
+            except trio.EndOfChannel:
+                first = StageInput()
+            more = not first.final
+        else:
+            first = await collect_input(inputs)
+        context = self.request_context(request_id)
+        gen = self._actor.run.options(
+            num_returns="streaming", _generator_backpressure_num_objects=WINDOW
+        ).remote(
+            request_id,
+            codec.encode_inputs([first]),
+            codec.encode_value(sampling_params),
+            self.outputs_streamed(request_id),
+            None if context is None else codec.encode_context(context),
+            more,
+            WINDOW,
+        )
+        stream = RemoteStream(link, gen, WINDOW, _identity)
+        try:
+            if not more:
+                await self._relay(request_id, stream, emit)
+                return
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._forward_input, request_id, inputs)
+                done = await outcome.acapture(self._relay, request_id, stream, emit)
+                nursery.cancel_scope.cancel()
+            done.unwrap()
+        finally:
+            if not stream.done:
+                # cancelled or failed here: the actor drops the request before its call ends
+                stream.cancel()
+                with trio.move_on_after(ABORT_TIMEOUT_S, shield=True) as scope:
+                    await stream.wait_done()
+                if scope.cancelled_caught:
+                    logger.warning("%s: abort of %r not confirmed in time", self.name, request_id)
+
+    async def _relay(self, request_id: str, stream: RemoteStream, emit: Emit) -> None:
+        while True:
+            try:
+                kind, payload = await stream.receive()
+            except trio.EndOfChannel:
+                return
+            except Exception as exc:
+                raise ReplicaDeadError(
+                    f"replica {self.name}: its Ray actor failed request {request_id!r}: "
+                    f"{type(exc).__name__}: {exc}",
+                    stage_id=self.stage_id,
+                    request_id=request_id,
+                    replica=self.replica,
+                ) from exc
+            if kind != BATCH:
+                raise_record(payload, request_id)
+            for out in codec.decode_outputs(payload):
+                await emit(out)
+
+    async def _forward_input(self, request_id: str, inputs: InputStream) -> None:
+        # chunk by chunk, each acknowledged before the next: they arrive in order
+        assert self._link is not None
+        async for chunk in inputs:
+            sent = await self._link.call(
+                self._actor.send_input.remote(request_id, codec.encode_inputs([chunk]))
+            )
+            if not sent or chunk.final:
+                return
+        await self._link.call(self._actor.end_input.remote(request_id))
+
+    async def _rpc(
+        self, method: str, args: tuple[Payload, ...], kwargs: dict[str, Payload]
+    ) -> Payload:
+        assert self._link is not None
+        reply = codec.decode_value(
+            await self._link.call(
+                self._actor.rpc.remote(
+                    method, codec.encode_value(list(args)), codec.encode_value(kwargs)
+                )
+            )
+        )
+        if isinstance(reply, dict) and "__error__" in reply:
+            raise_record(reply["__error__"], "")
+        return reply
+
+    async def _interact(self, request_id: str, payload: Payload) -> None:
+        assert self._link is not None
+        reply = await self._link.call(
+            self._actor.interact.remote(request_id, codec.encode_value(payload))
+        )
+        if isinstance(reply, dict) and "__error__" in reply:
+            name, message, _ = reply["__error__"]
+            raise InvalidRequestError(message)
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]} on Ray ({self.config.backend})>"
+
+
+def _identity(item: Any) -> Any:
+    return item

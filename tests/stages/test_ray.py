@@ -1,0 +1,155 @@
+"""Stage replicas as Ray actors, against a local Ray started by the engine (marked ``ray``).
+
+Each test opens its own engine: a local Ray starts (a few seconds) and is shut down when the
+engine closes, leaving no Ray process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+import pytest
+import trio
+
+import omni_trio
+from omni_trio import ReplicaDeadError, StageError, StageStartError
+from omni_trio.stages.ray import RayBackend, placement_problem
+
+pytestmark = pytest.mark.ray
+
+pytest.importorskip("ray")
+
+
+def ray_processes() -> list[psutil.Process]:
+    names = ("raylet", "gcs_server", "ray::", "default_worker", "dashboard", "log_monitor")
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(proc.cmdline())
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        if any(n in cmd for n in names):
+            found.append(proc)
+    return found
+
+
+async def no_ray_left() -> list[str]:
+    procs = ray_processes()
+    await trio.to_thread.run_sync(lambda: psutil.wait_procs(procs, timeout=20))
+    return [f"{p.pid} {p.name()}" for p in ray_processes()]
+
+
+def pipeline(on_ray: bool, **stage_b: object) -> dict:
+    b = {
+        "id": "b",
+        "inputs": ["a"],
+        "final_output": True,
+        "options": {"outputs": 4, "latency_s": 0.01},
+        **stage_b,
+    }
+    if on_ray:
+        b["placement"] = {"ray": {"num_cpus": 0.5}}
+    return {"stages": [{"id": "a", "options": {"outputs": 3}}, b]}
+
+
+async def run_all(engine, prompts):
+    return [
+        [(o.stage_id, o.token_ids, o.finished) for o in await engine.generate(p).collect()]
+        for p in prompts
+    ]
+
+
+def test_placement_problem_names_what_was_asked_and_what_nodes_have():
+    assert placement_problem({"CPU": 1.0}, [{"CPU": 2.0}]) is None
+    assert placement_problem({"CPU": 0.0, "GPU": 0.0}, []) is None
+    problem = placement_problem({"CPU": 64.0, "GPU": 0.0}, [{"CPU": 2.0, "memory": 1e9}])
+    assert problem == "no Ray node has CPU=64 (the nodes have: CPU=2)"
+
+
+async def test_a_stage_on_ray_gives_the_same_outputs_and_leaves_nothing():
+    prompts = ["hello", [1, 2, 3], "again"]
+    async with omni_trio.open_engine(pipeline(False)) as engine:
+        local = await run_all(engine, prompts)
+    async with omni_trio.open_engine(pipeline(True)) as engine:
+        assert isinstance(engine.pools["b"].replicas[0], RayBackend)
+        remote = await run_all(engine, prompts)
+        assert engine.check_health().status == "ok"
+        echo = await engine.collective_rpc("echo", args=(7,), stage_ids=["b"])
+        assert echo == [{"stage": "b", "replica": 0, "args": [7]}]
+        assert engine.statistics().stage_requests_in_flight == 0
+    assert remote == local
+    assert await no_ray_left() == []
+
+
+async def test_cancellation_reaches_the_actor_before_async_with_returns():
+    cfg = pipeline(True, options={"outputs": 1000, "latency_s": 0.01})
+    async with omni_trio.open_engine(cfg) as engine:
+        async with engine.generate("hello", request_id="r") as stream:
+            async for out in stream:
+                if out.stage_id == "b":
+                    break
+        # the abort was recorded inside the actor, by its own scripted backend
+        (stats,) = await engine.collective_rpc("stats", stage_ids=["b"])
+        assert stats.requests_aborted == 1 and stats.requests_in_flight == 0
+        assert engine.statistics().stage_requests_in_flight == 0
+    assert await no_ray_left() == []
+
+
+async def test_a_killed_actor_fails_only_its_requests_and_is_restarted():
+    cfg = pipeline(
+        True,
+        replicas=2,
+        restart="on-failure",
+        restart_backoff_s=0.1,
+        options={"outputs": 200, "latency_s": 0.01},
+    )
+    async with omni_trio.open_engine(cfg) as engine:
+        pool = engine.pools["b"]
+        results: dict[str, object] = {}
+        seen: set[str] = set()
+        all_seen = trio.Event()
+
+        async def one(rid: str) -> None:
+            try:
+                async with engine.generate("hi", request_id=rid) as stream:
+                    async for out in stream:
+                        if out.stage_id == "b":
+                            seen.add(rid)
+                            if len(seen) == 4:
+                                all_seen.set()
+                results[rid] = "ok"
+            except StageError as exc:
+                results[rid] = exc
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, f"r{i}")
+            with trio.fail_after(60):
+                await all_seen.wait()
+            victims = {r for r in seen if pool.replica_of(r).replica == 0}
+            assert len(victims) == 2
+            victim = pool.replica(0)
+            assert isinstance(victim, RayBackend)
+            os.kill(await victim.actor_pid(), signal.SIGKILL)
+        failed = {rid for rid, r in results.items() if r != "ok"}
+        assert failed == victims
+        assert all(isinstance(results[r], ReplicaDeadError) for r in failed)
+        with trio.fail_after(60):
+            await pool.wait_settled()
+        stats = pool.statistics().replicas
+        assert [r.state for r in stats] == ["ready", "ready"] and stats[0].restarts == 1
+        later = await run_all(engine, ["x", "y", "z", "w"])
+        assert all(r[-1][2] for r in later)
+    assert await no_ray_left() == []
+
+
+async def test_an_unsatisfiable_placement_fails_fast_saying_what_was_asked():
+    cfg = pipeline(True)
+    cfg["stages"][1]["placement"] = {"ray": {"num_cpus": 64}}
+    with trio.fail_after(60):
+        with pytest.raises(StageStartError, match=r"no Ray node has CPU=64"):
+            async with omni_trio.open_engine(cfg):
+                pass
+    assert await no_ray_left() == []
