@@ -80,6 +80,7 @@ class RayBackend(StageBackend):
         self._placement = config.placement.ray
         self._link: RayLink | None = None
         self._actor: Any = None
+        self._run_remote: Any = None
 
     # -- lifecycle -------------------------------------------------------------------------
     async def _start(self) -> None:
@@ -113,6 +114,10 @@ class RayBackend(StageBackend):
             )
         )
         await link.call(self._actor.start.remote())
+        # built once: .options() per request costs more than the call itself
+        self._run_remote = self._actor.run.options(
+            num_returns="streaming", _generator_backpressure_num_objects=WINDOW
+        ).remote
         self.mark_phase("actor_ready")
 
     async def _serve_forever(self) -> None:
@@ -205,9 +210,7 @@ class RayBackend(StageBackend):
         else:
             first = await collect_input(inputs)
         context = self.request_context(request_id)
-        gen = self._actor.run.options(
-            num_returns="streaming", _generator_backpressure_num_objects=WINDOW
-        ).remote(
+        gen = self._run_remote(
             request_id,
             codec.encode_inputs([first]),
             codec.encode_value(sampling_params),

@@ -179,3 +179,17 @@ async def test_a_vllm_stage_in_an_actor_gives_the_same_greedy_tokens() -> None:
     remote = await tokens({"stages": [{**stage, "placement": {"ray": {"num_cpus": 1}}}]})
     assert remote == local and all(len(t) == 12 for t in local)
     assert await no_ray_left() == []
+
+
+async def test_a_stream_input_stage_on_ray_takes_its_input_as_it_comes():
+    cfg = pipeline(True, stream_input=True)
+    cfg["stages"][0]["options"] = {"outputs": 6, "latency_s": 0.05}
+    async with omni_trio.open_engine(cfg) as engine:
+        outs = await engine.generate("hello", output_stages=["a", "b"]).collect()
+        order = [(o.stage_id, o.finished) for o in outs]
+        # b (in the actor) answered a's first deltas before a had finished
+        assert order.index(("b", False)) < order.index(("a", True))
+        assert ("b", True) in order
+        (stats,) = await engine.collective_rpc("stats", stage_ids=["b"])
+        assert stats.requests_finished == 1 and stats.requests_in_flight == 0
+    assert await no_ray_left() == []
