@@ -155,32 +155,6 @@ async def test_an_unsatisfiable_placement_fails_fast_saying_what_was_asked():
     assert await no_ray_left() == []
 
 
-@pytest.mark.vllm
-async def test_a_vllm_stage_in_an_actor_gives_the_same_greedy_tokens() -> None:
-    greedy = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
-    stage = {
-        "id": "thinker",
-        "backend": "vllm",
-        "engine_args": {"model": "tiny:thinker"},
-        "final_output": True,
-        "default_sampling_params": greedy,
-    }
-    prompts = ["hello tiny world", "the river and the moon"]
-
-    async def tokens(config: dict) -> list[list[int]]:
-        async with omni_trio.open_engine(config) as engine:
-            got = []
-            for p in prompts:
-                got.append([t for o in await engine.generate(p).collect() for t in o.token_ids])
-            assert engine.statistics().stage_requests_in_flight == 0
-            return got
-
-    local = await tokens({"stages": [stage]})
-    remote = await tokens({"stages": [{**stage, "placement": {"ray": {"num_cpus": 1}}}]})
-    assert remote == local and all(len(t) == 12 for t in local)
-    assert await no_ray_left() == []
-
-
 async def test_a_stream_input_stage_on_ray_takes_its_input_as_it_comes():
     cfg = pipeline(True, stream_input=True)
     cfg["stages"][0]["options"] = {"outputs": 6, "latency_s": 0.05}
