@@ -175,6 +175,8 @@ class ReplicaActor:
         self._portal_cm = start_blocking_portal("trio")
         self._portal = self._portal_cm.__enter__()
         self._serving: concurrent.futures.Future[None] | None = None
+        # the host side of each request's run: drop() waits for it
+        self._runs: dict[str, concurrent.futures.Future[None]] = {}
 
     async def _on_host(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wrap_future(self._portal.start_task_soon(fn, *args))
@@ -211,6 +213,8 @@ class ReplicaActor:
             self._host.run, request_id, first, params, streamed, context, more_input, window, post
         )
         running.add_done_callback(lambda _: post(_END))
+        self._runs[request_id] = running
+        running.add_done_callback(lambda _: self._runs.pop(request_id, None))
         try:
             item: tuple[int, Any] | None = await queue.get()
             while item is not _END:
@@ -238,6 +242,19 @@ class ReplicaActor:
             await self._on_host(self._host.abort, request_id)
             await asyncio.wrap_future(running)
             raise
+
+    async def drop(self, request_id: str) -> None:
+        """Abort a request in the backend and return once its run ended here (a no-op for
+        one that already ended): what the caller waits for after ``ray.cancel``, which may
+        end the caller's side of the stream before the actor's cleanup ran."""
+        running = self._runs.get(request_id)
+        if running is None:
+            return
+        await self._on_host(self._host.abort, request_id)
+        try:
+            await asyncio.wrap_future(running)
+        except BaseException:  # its outcome went to its own stream
+            pass
 
     async def send_input(self, request_id: str, chunks: bytes) -> bool:
         result: bool = await self._on_host(self._host.send_input, request_id, chunks)

@@ -231,9 +231,15 @@ class RayBackend(StageBackend):
             done.unwrap()
         finally:
             if not stream.done:
-                # cancelled or failed here: the actor drops the request before its call ends
+                # cancelled or failed here: ray.cancel the call, then wait until the actor's
+                # backend dropped the request (the end of our side of the stream does not
+                # say so: Ray may end it before the actor's cleanup ran)
                 stream.cancel()
                 with trio.move_on_after(ABORT_TIMEOUT_S, shield=True) as scope:
+                    try:
+                        await link.call(self._actor.drop.remote(request_id))
+                    except Exception as exc:  # a dead actor holds nothing any more
+                        logger.debug("%s: drop of %r: %r", self.name, request_id, exc)
                     await stream.wait_done()
                 if scope.cancelled_caught:
                     logger.warning("%s: abort of %r not confirmed in time", self.name, request_id)
