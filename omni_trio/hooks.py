@@ -142,9 +142,13 @@ class Artifacts:
         """Whether they were deleted (or their deletion has begun)."""
         return id(self) not in self._keeper._held
 
+    def take(self) -> list[str]:
+        """The directories to delete, once: later calls get ``[]``. Synchronous."""
+        return self._keeper._take(self)
+
     def remove_nowait(self) -> None:
         """Delete them now, on this thread (``generate()``'s failure paths). Blocking."""
-        remove_dirs(self._keeper._take(self))
+        remove_dirs(self.take())
 
     def __repr__(self) -> str:
         state = " removed" if self.removed else ""
@@ -212,7 +216,7 @@ async def remove_artifacts(context: RequestContext) -> None:
     streams), once: later calls delete nothing. Always checkpoints; never raises (not even
     ``Cancelled``: the deletion is shielded, in a worker thread)."""
     artifacts = context.artifacts
-    dirs = [] if artifacts is None else artifacts._keeper._take(artifacts)
+    dirs = [] if artifacts is None else artifacts.take()
     if not dirs:
         await trio.lowlevel.cancel_shielded_checkpoint()
         return
