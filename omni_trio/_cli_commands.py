@@ -1,0 +1,168 @@
+"""The one-shot ``omni-trio`` commands: ``demo``, ``run``, ``validate``, ``schema``, ``bench``.
+
+``demo`` and ``run`` start an engine, stream each prompt's text to stdout and write audio
+outputs as WAV files (:mod:`omni_trio.runner`); ``validate`` and ``schema`` start nothing;
+``bench`` runs the benchmark scripts as subprocesses. Each ``cmd_*`` takes the parsed
+arguments and returns the exit code, or raises: :class:`~omni_trio._cli_args.UsageError`
+(exit 2), :class:`RuntimeFailure` (exit 1), or what the engine raised (see
+:func:`omni_trio.cli.main`). ``serve`` is in :mod:`omni_trio._cli_serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from ._cli_args import UsageError, load_config_arg
+from .runner import (
+    RunSummary,
+    StageTimer,
+    default_pipeline,
+    format_init_table,
+    format_stage_times,
+    format_statistics,
+    run_prompts,
+)
+
+if TYPE_CHECKING:
+    from .config import PipelineConfig
+
+__all__ = [
+    "DEMO_PROMPTS",
+    "RANDOM_WEIGHTS_NOTE",
+    "RuntimeFailure",
+    "cmd_bench",
+    "cmd_demo",
+    "cmd_run",
+    "cmd_schema",
+    "cmd_validate",
+]
+
+RANDOM_WEIGHTS_NOTE = (
+    "note: the tiny-omni models have random weights: the text and audio below are noise. "
+    "The demo shows the pipeline (thinker -> talker -> vocoder streaming into each other), "
+    "not a model."
+)
+DEMO_PROMPTS = (
+    "Tell me about the weather today.",
+    "Describe a cat in one sentence.",
+    "What is structured concurrency?",
+)
+
+
+class RuntimeFailure(Exception):
+    """A command failed at run time: exit code 1."""
+
+
+def _max_tokens(value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {value}")
+    return value
+
+
+async def _run_pipeline(
+    args: argparse.Namespace, config: PipelineConfig, prompts: Sequence[str]
+) -> RunSummary:
+    from .engine import open_engine
+    from .progress import open_engine_with_progress
+
+    timer = StageTimer()
+    t0 = time.perf_counter()  # start-up: from here until every stage is ready
+    async with open_engine_with_progress(open_engine(config), sys.stderr) as engine:
+        started = time.perf_counter() - t0
+        engine.add_observer(timer)
+        if args.log_stats:
+            print(format_init_table(engine), flush=True)
+        written = await run_prompts(engine, prompts, Path(args.output_dir), args.max_tokens, timer)
+        print(format_stage_times(timer), flush=True)
+        if args.log_stats:
+            print(format_statistics(engine.statistics()), flush=True)
+    return RunSummary(config, len(prompts), tuple(written), Path(args.output_dir), started)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    _max_tokens(args.max_tokens)
+    t0 = time.perf_counter()
+    config = load_config_arg(str(default_pipeline()))
+    print(RANDOM_WEIGHTS_NOTE, flush=True)
+    summary = trio.run(_run_pipeline, args, config, args.prompt or list(DEMO_PROMPTS))
+    print(RANDOM_WEIGHTS_NOTE, flush=True)
+    print(summary.line("demo", time.perf_counter() - t0), flush=True)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    _max_tokens(args.max_tokens)
+    config = load_config_arg(args.config)
+    if any(not p for p in args.prompt):
+        raise UsageError("--prompt must not be empty")
+    summary = trio.run(_run_pipeline, args, config, args.prompt)
+    print(summary.line("run", time.perf_counter() - t0), flush=True)
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Everything knowable without starting an engine (see omni_trio.config); a failure is
+    a ConfigError: one line naming the file and JSON path, exit 2 (see main)."""
+    config = load_config_arg(args.config)
+    shown = 12  # a 20,000-stage pipeline still gets one readable line
+    chain = ", ".join(
+        f"{st.id}({st.backend}{' <- ' + '+'.join(st.inputs) if st.inputs else ''})"
+        for st in config.stages[:shown]
+    )
+    more = f", ... ({len(config.stages) - shown} more)" if len(config.stages) > shown else ""
+    print(
+        f"OK: {config.source}: pipeline {config.name!r}, {len(config.stages)} stages: {chain}{more}"
+    )
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from .config import config_schema
+
+    print(json.dumps(config_schema(), indent=2))
+    return 0
+
+
+def _bench_dir(explicit: str | None) -> Path:
+    candidates = [Path(explicit)] if explicit else []
+    candidates += [Path.cwd() / "benchmarks", Path(__file__).resolve().parent.parent / "benchmarks"]
+    for d in candidates:
+        if d.is_dir():
+            return d
+    raise UsageError("no benchmarks directory found (run from the repository or pass --dir)")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    directory = _bench_dir(args.dir)
+    scripts = sorted(directory.glob("bench_*.py"))
+    if args.only:
+        wanted = {f"bench_{n.removeprefix('bench_').removesuffix('.py')}.py" for n in args.only}
+        missing = wanted - {s.name for s in scripts}
+        if missing:
+            raise UsageError(
+                f"no such benchmark(s): {', '.join(sorted(missing))}; "
+                f"have: {', '.join(s.name for s in scripts)}"
+            )
+        scripts = [s for s in scripts if s.name in wanted]
+    if not scripts:
+        raise UsageError(f"no bench_*.py scripts in {directory.name}/")
+    forwarded = [a for a in args.args if a != "--"]
+    failed = []
+    for script in scripts:
+        print(f"omni-trio: running {script.name}", file=sys.stderr, flush=True)
+        rc = subprocess.call([sys.executable, str(script), *forwarded])
+        if rc != 0:
+            failed.append(f"{script.name} (exit {rc})")
+    if failed:
+        raise RuntimeFailure(f"benchmark(s) failed: {', '.join(failed)}")
+    return 0
