@@ -1,0 +1,127 @@
+"""The one-shot commands: ``validate``, ``run``, ``bench`` and ``demo``, each through ``main``
+(``schema``: with the config schema's tests in ``test_config_pipeline.py``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import wave
+from pathlib import Path
+
+import pytest
+
+from omni_trio.cli import main
+from omni_trio.testing import scripted_tokens
+
+from .test_cli import LOG_NOTE, log_file, one_line_error, pipeline, write
+
+
+def test_validate_ok_bad_and_missing(tmp_path, capsys):
+    assert main(["validate", pipeline(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("OK: ") and "pipeline 'two', 2 stages" in out
+
+    bad = write(tmp_path, "name: bad\nstages:\n  - id: a\n    inputs: [zz]\n", "bad.yaml")
+    assert main(["validate", bad]) == 2
+    line = one_line_error(capsys.readouterr().err)
+    assert "bad.yaml: $.stages[0].inputs[0]: unknown input stage 'zz'" in line
+
+    assert main(["validate", str(tmp_path / "nope.yaml")]) == 2
+    line = one_line_error(capsys.readouterr().err)
+    assert "nope.yaml" in line and "tiny-omni" in line  # names the shipped pipelines
+
+    assert main(["validate", "tiny-omni-scripted"]) == 0  # a shipped pipeline by name
+    assert "pipeline 'tiny-omni-scripted', 3 stages" in capsys.readouterr().out
+
+
+def test_run_streams_text_and_logs_stats(tmp_path, capsys):
+    rc = main(["run", pipeline(tmp_path), "--prompt", "hi", "--prompt", "yo", "--log-stats"])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    for prompt in ("hi", "yo"):
+        tokens = scripted_tokens(scripted_tokens(list(prompt.encode()), 3), 4)
+        assert "".join(f"b:{t} " for t in tokens) in out
+    assert "start-up timeline" in out and "replica 0: start" in out
+    assert "engine: 2 requests: 2 finished, 0 aborted, 0 failed, 0 in flight" in out
+    assert "per-stage timing" in out
+    summary = out.strip().splitlines()[-1]
+    assert summary.startswith("omni-trio run: 2 prompt(s) through 'two' (a -> b); no audio")
+    assert "a (scripted) ready in" in err and "b (scripted) ready in" in err  # the display
+    log = Path(err.split(LOG_NOTE)[1].split()[0])
+    assert not log.exists()  # scripted stages say nothing: no log file is left behind
+
+
+@pytest.mark.slow
+def test_run_writes_a_wav_per_prompt_from_the_audio_stage(tmp_path, capsys):
+    out_dir = tmp_path / "wavs"
+    argv = ["run", "tiny-omni-scripted", "--prompt", "a b", "--prompt", "c"]
+    assert main([*argv, "--output-dir", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "thinker:" in out
+    for n in (1, 2):
+        with wave.open(str(out_dir / f"prompt-{n}.wav")) as w:
+            assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 16_000)
+            assert w.getnframes() == 64 * 160  # 64 talker codes x the vocoder's hop
+        assert f"wrote {out_dir / f'prompt-{n}.wav'}" in out
+
+
+def test_bench_runs_scripts_and_forwards_args(tmp_path, capfd):
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "bench_echo.py").write_text(
+        "import json, sys\nprint(json.dumps({'argv': sys.argv[1:]}))\n"
+    )
+    (bench / "bench_fail.py").write_text("import sys\nsys.exit(3)\n")
+    assert main(["bench", "--dir", str(bench), "--only", "echo", "--", "--quick", "7"]) == 0
+    out = capfd.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == {"argv": ["--quick", "7"]}
+    assert main(["bench", "--dir", str(bench)]) == 1
+    assert "bench_fail.py (exit 3)" in capfd.readouterr().err
+    assert main(["bench", "--dir", str(bench), "--only", "nope"]) == 2
+    assert "no such benchmark(s): bench_nope.py" in capfd.readouterr().err
+
+
+# -- the embedded tiny-omni pipeline on real vLLM engines (slow: ~20-70 s of engine start) ----
+
+
+@pytest.mark.vllm
+def test_demo_end_to_end_streams_text_and_writes_wavs(tmp_path):
+    out_dir = tmp_path / "demo"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "omni_trio",
+            "demo",
+            "--output-dir",
+            str(out_dir),
+            "--prompt",
+            "Hello there.",
+            "--max-tokens",
+            "8",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out, err = proc.stdout, proc.stderr
+    assert "random weights" in out and "noise" in out
+    text_line = next(line for line in out.splitlines() if line.startswith("[1] thinker: "))
+    assert len(text_line) > len("[1] thinker: ")  # some (random) text was streamed
+    assert "per-stage timing" in out and "code2wav" in out
+    summary = out.strip().splitlines()[-1]
+    assert summary.startswith(
+        "omni-trio demo: 1 prompt(s) through 'tiny-omni' (thinker -> talker -> code2wav); "
+        f"1 WAV file(s) in {out_dir}/; "
+    )
+    # quiet by default: one line per stage once it is ready, vLLM's output in the log only
+    for stage_line in ("thinker (vllm) ready in", "talker (vllm) ready in", "code2wav (torch)"):
+        assert stage_line in err
+    assert "warning" not in (out + err).lower() and "Traceback" not in err
+    log = log_file(err)
+    assert "EngineCore" in log and "leaked" not in log and "force killing" not in log
+    with wave.open(str(out_dir / "prompt-1.wav")) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 16_000)
+        assert w.getnframes() > 0 and w.getnframes() % 160 == 0  # whole vocoder hops
