@@ -15,6 +15,9 @@ from omni_trio.cli import main
 from omni_trio.testing import scripted_tokens
 
 from .test_cli import LOG_NOTE, log_file, one_line_error, pipeline, write
+from .test_config import stage
+from .test_config_read import one_stage_yaml
+from .test_config_read import write as write_config
 
 
 def test_validate_ok_bad_and_missing(tmp_path, capsys):
@@ -80,6 +83,52 @@ def test_bench_runs_scripts_and_forwards_args(tmp_path, capfd):
     assert "bench_fail.py (exit 3)" in capfd.readouterr().err
     assert main(["bench", "--dir", str(bench), "--only", "nope"]) == 2
     assert "no such benchmark(s): bench_nope.py" in capfd.readouterr().err
+
+
+# -- omni-trio validate: exit 2 and one line naming the file and path -------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "where"),
+    [
+        ("opt.yaml", one_stage_yaml("    options: {outptus: 3}\n"), "$.stages[0].options.outptus"),
+        (
+            "nan.yaml",
+            one_stage_yaml("    stage_init_timeout: .nan\n"),
+            "$.stages[0].stage_init_timeout",
+        ),
+        ("dup.json", '{"name": "a", "name": "b", "stages": []}', "$.name"),
+        (
+            "rel.yaml",
+            one_stage_yaml("    input_processor: '.x:f'\n"),
+            "$.stages[0].input_processor",
+        ),
+        ("bytes.yaml", b"name: \xff\n", "$"),
+        ("deep.json", '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "$"),
+    ],
+)
+def test_cli_validate_exits_2_with_one_line(tmp_path, capsys, name, text, where):
+    path = write_config(tmp_path, name, text)
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"omni-trio: error: ConfigError: {path}: {where}: ")
+
+
+def test_cli_validate_ok(tmp_path, capsys):
+    path = write_config(tmp_path, "ok.yaml", one_stage_yaml())
+    assert main(["validate", str(path)]) == 0
+    assert capsys.readouterr().out.startswith(f"OK: {path}: pipeline 't', 1 stages")
+
+
+def test_cli_validate_keeps_one_line_for_a_big_pipeline(tmp_path, capsys):
+    stages = [stage(f"s{i}", inputs=[f"s{i - 1}"] if i else []) for i in range(100)]
+    stages[-1]["final_output"] = True
+    path = write_config(tmp_path, "big.json", json.dumps({"name": "big", "stages": stages}))
+    assert main(["validate", str(path)]) == 0
+    out = capsys.readouterr().out.strip()
+    assert len(out.splitlines()) == 1 and out.endswith("s11(scripted <- s10), ... (88 more)")
 
 
 # -- the embedded tiny-omni pipeline on real vLLM engines (slow: ~20-70 s of engine start) ----
