@@ -58,6 +58,17 @@ class WholeInput(trio.abc.ReceiveChannel[StageInput]):
         await trio.lowlevel.cancel_shielded_checkpoint()
         return chunk
 
+    def receive_nowait(self) -> StageInput:
+        """The chunk, then ``trio.EndOfChannel``, as a memory channel's ``receive_nowait``
+        (it never raises ``trio.WouldBlock``: the input is whole). Synchronous. Raises
+        ``trio.ClosedResourceError`` once closed."""
+        if self._closed:
+            raise trio.ClosedResourceError("this stage input was closed")
+        chunk, self._chunk = self._chunk, None
+        if chunk is None:
+            raise trio.EndOfChannel
+        return chunk
+
     def close(self) -> None:
         """Drop the chunk; later receives raise ``trio.ClosedResourceError``. Synchronous."""
         self._closed = True

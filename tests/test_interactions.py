@@ -253,3 +253,47 @@ async def test_interact_always_checkpoints(autojump_clock):
         with assert_checkpoints():
             assert await stream.interact(1) is False
         nothing_left(engine)
+
+
+async def test_stop_while_waiting_for_streamed_input(autojump_clock):
+    # output k waits for input token k: the stop cuts that wait short, and the segment that
+    # came before it was taken
+    cfg = scripted_pipeline(["a"], outputs=8)
+    async with omni_trio.open_engine(cfg) as engine:
+        async with engine.generate("a", request_id="r", streaming_input=True) as stream:
+            first = await stream.receive()
+            assert first.token_ids == (ord("a") + 1,) and not first.finished
+            await stream.send_input("b")
+            second = await stream.receive()
+            assert second.token_ids == (ord("b") + 1,)
+            t0 = trio.current_time()
+            assert await stream.interact({"stop": True}) is True
+            rest = await stream.collect()
+            assert trio.current_time() == t0
+        (last,) = rest
+        assert (last.finished, last.finish_reason, last.token_ids) == (True, "stop", ())
+        assert last.metrics == {"output_index": 2}
+        (a,) = scripted_backends(engine, "a")
+        assert [c.prompt for c in a.received["r"]] == ["a", "b"]
+        assert a.completed == ["r"] and a.aborted == []
+        nothing_left(engine)
+
+
+async def test_stop_of_a_zero_latency_request_ends_it_after_the_output_in_delivery(
+    autojump_clock,
+):
+    # no latency: the request never waits, so a stop is taken right after the output being
+    # delivered (the window holds the stage back: the consumer reads one output at a time)
+    cfg = scripted_pipeline(["a"], outputs=1000, engine_options={"output_buffer": 1})
+    async with omni_trio.open_engine(cfg) as engine:
+        async with engine.generate("hi", request_id="r") as stream:
+            first = [await stream.receive() for _ in range(3)]
+            assert await stream.interact({"stop": True}) is True
+            rest = await stream.collect()
+        assert not any(o.finished for o in first)
+        *between, last = rest
+        assert len(between) <= 2 and not any(o.finished for o in between)
+        assert (last.finished, last.finish_reason, last.token_ids) == (True, "stop", ())
+        assert last.metrics == {"output_index": 3 + len(between)}
+        assert scripted_backends(engine, "a")[0].completed == ["r"]
+        nothing_left(engine)

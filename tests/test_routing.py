@@ -20,6 +20,17 @@ async def test_whole_input_gives_its_chunk_then_ends():
         await WholeInput(None).receive()
 
 
+def test_whole_input_receive_nowait_gives_its_chunk_then_ends():
+    # never WouldBlock: the input is whole
+    inputs = WholeInput(CHUNK)
+    assert inputs.receive_nowait() is CHUNK
+    with pytest.raises(trio.EndOfChannel):
+        inputs.receive_nowait()
+    inputs.close()
+    with pytest.raises(trio.ClosedResourceError):
+        inputs.receive_nowait()
+
+
 async def test_whole_input_receive_is_a_checkpoint():
     # like a memory channel's receive: a schedule point when it returns the chunk
     with trio.testing.assert_checkpoints():

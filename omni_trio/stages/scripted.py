@@ -121,12 +121,23 @@ class _Recent(dict[str, list[T]]):
 class _Live:
     """A request running on a scripted replica, as its interactions see it."""
 
-    __slots__ = ("emitting", "scope", "stop")
+    __slots__ = ("stop", "waiting")
 
     def __init__(self) -> None:
-        self.scope = trio.CancelScope()
         self.stop = False  # a stop interaction came
-        self.emitting = False  # inside emit: a stop waits for it to return
+        # the scope of the wait the request is in (its input, its latency, a hang), if any: a
+        # stop cancels it. Entered only around a wait (a cancel scope costs microseconds to
+        # enter and exit, and most zero-latency runs never wait), so a stop that comes while
+        # the request is not waiting (it is delivering an output, or at a schedule point)
+        # takes effect once that output is delivered.
+        self.waiting: trio.CancelScope | None = None
+
+    def wait_scope(self) -> trio.CancelScope:
+        """The scope for one wait, already cancelled if a stop came. Synchronous."""
+        scope = self.waiting = trio.CancelScope()
+        if self.stop:
+            scope.cancel()
+        return scope
 
 
 def scripted_tokens(inputs: Sequence[int], n_outputs: int, offset: int = 1) -> list[int]:
@@ -206,53 +217,71 @@ class ScriptedBackend(StageBackend):
         chunks = self.received.start(request_id)
         tokens: list[int] = []
         input_done = False
-        # a stop interaction cancels this scope while the request waits (never inside emit)
+        # a whole input (or a chunk already queued) is taken without waiting
+        receive_nowait = getattr(inputs, "receive_nowait", None)
         live = self._live[request_id] = _Live()
         k = 0
+        # a stop cut a wait short: output k is the stop output
+        stopped = False
         try:
-            with live.scope:
-                if self.options.hang:
+            if self.options.hang:
+                with live.wait_scope():
                     await trio.sleep_forever()
-                for k in range(n_outputs):
-                    # wait until input token k is here (streamed input) or the input is complete
-                    while not input_done and len(tokens) <= k:
-                        try:
+                stopped = True  # only a stop ends the hang
+            for k in range(0 if stopped else n_outputs):
+                # wait until input token k is here (streamed input) or the input is complete
+                while not input_done and len(tokens) <= k:
+                    try:
+                        if receive_nowait is None:
+                            raise trio.WouldBlock
+                        chunk = receive_nowait()
+                    except trio.WouldBlock:
+                        with live.wait_scope() as scope:
                             chunk = await inputs.receive()
-                        except trio.EndOfChannel:
-                            input_done = True
+                        if scope.cancelled_caught:
+                            stopped = True
                             break
-                        chunks.append(chunk)
-                        tokens.extend(_input_tokens(chunk))
-                        input_done = chunk.final
-                    if latency:
-                        await trio.sleep(latency)
-                    else:
-                        await trio.lowlevel.checkpoint()
-                    if fail_at is not None and k == fail_at:
-                        raise StageError(
-                            f"scripted stage {self.name} was configured to fail at output {k} "
-                            f"(request {request_id!r})",
-                            stage_id=self.stage_id,
-                            request_id=request_id,
-                        )
-                    token = tokens[k % len(tokens)] + offset if tokens else offset + k
-                    last = k == n_outputs - 1
-                    live.emitting = True
-                    await emit(
-                        StageOutput(
-                            token_ids=(token,),
-                            text=f"{self.stage_id}:{token} ",
-                            finished=last,
-                            finish_reason="length" if last else None,
-                            # metrics once per request, on its finished output (as vllm's)
-                            metrics={"output_index": k} if last else None,
-                        )
-                    )
-                    live.emitting = False
-                    if live.stop:
-                        k += 1
+                    except trio.EndOfChannel:
+                        input_done = True
                         break
-            if live.stop and (live.scope.cancelled_caught or k < n_outputs):
+                    chunks.append(chunk)
+                    tokens.extend(_input_tokens(chunk))
+                    input_done = chunk.final
+                if stopped:
+                    break
+                if latency:
+                    with live.wait_scope() as scope:
+                        await trio.sleep(latency)
+                    if scope.cancelled_caught:
+                        stopped = True
+                        break
+                else:
+                    # a schedule point per output (without a wait: a stop here is taken
+                    # once this output is delivered)
+                    await trio.lowlevel.checkpoint()
+                if fail_at is not None and k == fail_at:
+                    raise StageError(
+                        f"scripted stage {self.name} was configured to fail at output {k} "
+                        f"(request {request_id!r})",
+                        stage_id=self.stage_id,
+                        request_id=request_id,
+                    )
+                token = tokens[k % len(tokens)] + offset if tokens else offset + k
+                last = k == n_outputs - 1
+                await emit(
+                    StageOutput(
+                        token_ids=(token,),
+                        text=f"{self.stage_id}:{token} ",
+                        finished=last,
+                        finish_reason="length" if last else None,
+                        # metrics once per request, on its finished output (as vllm's)
+                        metrics={"output_index": k} if last else None,
+                    )
+                )
+                if live.stop:
+                    k += 1
+                    break
+            if live.stop and (stopped or k < n_outputs):
                 # stopped by an interaction: the next output is the finished one, empty
                 await emit(
                     StageOutput(finished=True, finish_reason="stop", metrics={"output_index": k})
@@ -272,8 +301,8 @@ class ScriptedBackend(StageBackend):
             live = self._live.get(request_id)
             if live is not None and not live.stop:
                 live.stop = True
-                if not live.emitting:
-                    live.scope.cancel()
+                if live.waiting is not None:
+                    live.waiting.cancel()
         self.interactions.start(request_id).append(payload)
 
     async def _rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
