@@ -36,7 +36,7 @@ from .interactions import Interactions
 from .observer import ObserverSet
 from .outputs import OmniOutput, Payload, StageInput
 from .planning import RequestPlan
-from .requests import Request, RequestHandle, RequestInfo
+from .requests import OutputBuilder, Request, RequestHandle, RequestInfo
 from .routing import StageFeed
 from .stagerun import StageRunner
 from .stages.pool import StagePool
@@ -71,6 +71,8 @@ class Orchestrator:
         }
         self.observers = ObserverSet()
         self._runner = StageRunner(config, self._pools, self._processors, self.observers)
+        # the OmniOutput a caller gets for each stage output
+        self._output = OutputBuilder([(st.id, st.output_type) for st in config.stages])
         #: delivers interactions to the requests' entry-stage backends, in order
         self.interactions = Interactions(config, self._pools)
         self.closed = False
@@ -175,7 +177,7 @@ class Orchestrator:
             first_input,
             context,
             self.config.output_buffer,
-            self._runner.output,
+            self._output,
             streamed_input,
         )
         self._requests[request_id] = req
