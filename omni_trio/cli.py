@@ -23,7 +23,8 @@ from typing import NoReturn
 
 import trio
 
-# names outside __all__ that other modules import from here are re-exported with `as`
+# every public name once defined here stays importable from here; `X as X` re-exports one
+# outside __all__ (mypy --strict does not re-export a plain import)
 from ._cli_args import UsageError as UsageError
 from ._cli_args import build_parser as build_parser
 from ._cli_commands import DEMO_PROMPTS as DEMO_PROMPTS

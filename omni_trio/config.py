@@ -28,7 +28,8 @@ from pathlib import Path
 
 import msgspec
 
-# names outside __all__ that other modules import from here are re-exported with `as`
+# every public name once defined here stays importable from here; `X as X` re-exports one
+# outside __all__ (mypy --strict does not re-export a plain import)
 from ._config_check import check_vllm_stages
 from ._config_check import validate as validate
 from ._config_pipeline import Admission as Admission
