@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# ray.shutdown of a local Ray takes ~1-2 s; a link that has not disconnected by then is stuck
+SHUTDOWN_TIMEOUT_S = 60.0
+
 
 class RayLink:
     """The Ray connection of this process and its asyncio loop. See the module docstring."""
@@ -53,9 +56,9 @@ class RayLink:
         self.users = 0
         self.started_ray = False
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self.loop.run_forever, name="omni-trio-ray-link", daemon=True
-        )
+        self._connected: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._disconnected: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._own, name="omni-trio-ray-link", daemon=True)
 
     # -- ownership (blocking: call from a worker thread) -------------------------------------
     @classmethod
@@ -78,29 +81,60 @@ class RayLink:
             return link
 
     def _connect(self) -> None:
-        ray = self.ray
-        if not ray.is_initialized():
-            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
-            if self.address is None:
-                kwargs["num_cpus"] = os.cpu_count() or 1
-            else:
-                kwargs["address"] = self.address
-            ray.init(**kwargs)
-            self.started_ray = True
         self._thread.start()
+        self._connected.result()  # what ray.init raised, raised here
+
+    def _own(self) -> None:
+        # The link thread connects, runs the loop and disconnects. It must be the thread
+        # that starts a local Ray: Ray starts its GCS and raylet with PR_SET_PDEATHSIG, which
+        # Linux fires when the *thread* that forked them exits, so a Ray started from a
+        # short-lived thread (trio's worker threads exit after 10 s idle) is killed under
+        # the engine while it runs. This thread lives exactly as long as the connection.
+        asyncio.set_event_loop(self.loop)
+        ray = self.ray
+        try:
+            if not ray.is_initialized():
+                kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+                if self.address is None:
+                    # "local": a new Ray even when `ray start` left a cluster on this
+                    # machine (ray.init() alone would join that one)
+                    kwargs["address"] = "local"
+                    kwargs["num_cpus"] = os.cpu_count() or 1
+                else:
+                    kwargs["address"] = self.address
+                ray.init(**kwargs)
+                self.started_ray = True
+        except BaseException as exc:
+            self._connected.set_exception(exc)
+            return
+        self._connected.set_result(None)
+        try:
+            self.loop.run_forever()
+            # calls still waiting (on a killed, hung actor) end here, not as "Task was
+            # destroyed but it is pending" at interpreter exit
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self.loop.close()
+            if self.started_ray:
+                ray.shutdown()
+        except BaseException as exc:
+            self._disconnected.set_exception(exc)
+        else:
+            self._disconnected.set_result(None)
 
     def release(self) -> None:
         """One user fewer; the last one disconnects (a local Ray it started is shut down and
-        its processes exit). Blocking."""
+        its processes exit). Blocking; raises what ``ray.shutdown`` raised."""
         with RayLink._lock:
             self.users -= 1
             if self.users > 0:
                 return
             RayLink._current = None
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5)
-        if self.started_ray:
-            self.ray.shutdown()
+        self._disconnected.result(timeout=SHUTDOWN_TIMEOUT_S)
+        self._thread.join(timeout=SHUTDOWN_TIMEOUT_S)
 
     # -- calls -----------------------------------------------------------------------------
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:

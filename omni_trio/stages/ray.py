@@ -81,6 +81,7 @@ class RayBackend(StageBackend):
         self._link: RayLink | None = None
         self._actor: Any = None
         self._run_remote: Any = None
+        self._unresponsive = False  # its health call timed out: it is killed, not stopped
 
     # -- lifecycle -------------------------------------------------------------------------
     async def _start(self) -> None:
@@ -149,6 +150,7 @@ class RayBackend(StageBackend):
                 except Exception:
                     return  # a dead actor: the sentinel reports it
             if scope.cancelled_caught:
+                self._unresponsive = True
                 self._die(
                     ReplicaDeadError(
                         f"replica {self.name}: its Ray actor did not answer a health call "
@@ -165,12 +167,14 @@ class RayBackend(StageBackend):
             return
         failure: str | None = None
         try:
-            if self._actor is not None:
+            # a hung actor would not answer a stop either: it is only killed
+            if self._actor is not None and not self._unresponsive:
                 with trio.move_on_after(self.shutdown_timeout):
                     try:
                         failure = await link.call(self._actor.stop.remote())
                     except Exception:
                         pass  # a dead actor has nothing left to stop
+            if self._actor is not None:
                 link.ray.kill(self._actor, no_restart=True)
                 self._actor = None
         finally:

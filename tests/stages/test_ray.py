@@ -6,8 +6,13 @@ engine closes, leaving no Ray process behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
+import sys
+import tempfile
+import threading
 
 import psutil
 import pytest
@@ -15,6 +20,8 @@ import trio
 
 import omni_trio
 from omni_trio import ReplicaDeadError, StageError, StageStartError
+from omni_trio.stages import ray as ray_stage
+from omni_trio.stages._ray_link import RayLink
 from omni_trio.stages.ray import RayBackend, placement_problem
 
 pytestmark = pytest.mark.ray
@@ -145,6 +152,113 @@ async def test_a_killed_actor_fails_only_its_requests_and_is_restarted():
     assert await no_ray_left() == []
 
 
+async def test_a_hung_actor_is_caught_by_the_health_call_and_replaced(monkeypatch):
+    # a short health period so the test waits under a second, not the defaults' 15 s
+    monkeypatch.setattr(ray_stage, "HEALTH_INTERVAL_S", 0.2)
+    monkeypatch.setattr(ray_stage, "HEALTH_TIMEOUT_S", 0.5)
+    cfg = pipeline(
+        True,
+        restart="on-failure",
+        restart_backoff_s=0.1,
+        options={"outputs": 1000, "latency_s": 0.01},
+    )
+    async with omni_trio.open_engine(cfg) as engine:
+        pool = engine.pools["b"]
+        hung = pool.replica(0)
+        assert isinstance(hung, RayBackend)
+        pid = await hung.actor_pid()
+        with pytest.raises(ReplicaDeadError, match="did not answer a health call") as caught:
+            async with engine.generate("hi", request_id="r") as stream:
+                async for out in stream:
+                    if out.stage_id == "b":
+                        os.kill(pid, signal.SIGSTOP)  # the actor hangs: alive, answers nothing
+        try:
+            assert caught.value.stage_id == "b"
+            with trio.fail_after(60):
+                await pool.wait_settled()
+            (replica,) = pool.statistics().replicas
+            assert replica.state == "ready" and replica.restarts == 1
+            assert await pool.replica(0).actor_pid() != pid
+            (later,) = await run_all(engine, ["x"])
+            assert later[-1][2]
+            assert engine.statistics().stage_requests_in_flight == 0
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # killed by the stop, as it should
+                os.kill(pid, signal.SIGCONT)
+    assert await no_ray_left() == []
+
+
+def processes_titled(title: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if title in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def forget_cluster(port: int) -> None:
+    """Remove what `ray stop` would: the pointer to this cluster that `ray start` left."""
+    current = os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")
+    with contextlib.suppress(OSError):
+        with open(current) as f:
+            ours = f.read().strip().endswith(f":{port}")
+        if ours:
+            os.remove(current)
+
+
+FOREIGN_ACTOR = """
+import sys, ray
+ray.init(address=sys.argv[1])
+@ray.remote(num_cpus=0)
+class Foreign:
+    def ping(self):
+        return 1
+a = Foreign.options(name="foreign", namespace="other", lifetime="detached").remote()
+ray.get(a.ping.remote())
+"""
+
+
+async def test_against_an_existing_cluster_it_kills_only_its_own_actors(tmp_path):
+    with socket.socket() as sock:  # a free port for the cluster's GCS
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    before = {p.pid for p in psutil.process_iter()}
+    await trio.run_process(
+        [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2"]
+        + ["--include-dashboard=false", "--disable-usage-stats"],
+        capture_stdout=True,
+        capture_stderr=True,
+    )
+    cluster = [p for p in psutil.process_iter() if p.pid not in before]
+    try:
+        await trio.run_process([sys.executable, "-c", FOREIGN_ACTOR, address])
+        cfg = pipeline(True)
+        cfg["stages"][1]["placement"] = {"ray": {"address": address, "num_cpus": 0.5}}
+        async with omni_trio.open_engine(cfg) as engine:
+            assert [r[-1][2] for r in await run_all(engine, ["hello"])] == [True]
+            assert len(processes_titled("ray::ReplicaActor")) == 1
+        mine = processes_titled("ray::ReplicaActor")
+        await trio.to_thread.run_sync(lambda: psutil.wait_procs(mine, timeout=20))
+        assert processes_titled("ray::ReplicaActor") == []
+        # the cluster and the other job's actor are still there
+        assert len(processes_titled("ray::Foreign")) == 1
+        assert any("gcs_server" in " ".join(p.cmdline()) for p in cluster if p.is_running())
+    finally:
+        everything = cluster + [
+            c for p in cluster if p.is_running() for c in p.children(recursive=True)
+        ]
+        for proc in everything:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(everything, timeout=20)
+        forget_cluster(port)
+
+
 async def test_an_unsatisfiable_placement_fails_fast_saying_what_was_asked():
     cfg = pipeline(True)
     cfg["stages"][1]["placement"] = {"ray": {"num_cpus": 64}}
@@ -152,6 +266,54 @@ async def test_an_unsatisfiable_placement_fails_fast_saying_what_was_asked():
         with pytest.raises(StageStartError, match=r"no Ray node has CPU=64"):
             async with omni_trio.open_engine(cfg):
                 pass
+    assert await no_ray_left() == []
+
+
+async def test_a_local_ray_outlives_the_thread_that_connected():
+    # Ray forks its GCS and raylet with PR_SET_PDEATHSIG, which fires when the forking
+    # *thread* exits: connecting from a short-lived thread (as trio's worker threads are)
+    # must not tie the local Ray's life to that thread.
+    links: list[RayLink] = []
+    caller = threading.Thread(target=lambda: links.append(RayLink.acquire(None)))
+    caller.start()
+    caller.join()
+    (link,) = links
+    try:
+        procs = ray_processes()
+        assert any("gcs_server" in " ".join(p.cmdline()) for p in procs)
+        # a PDEATHSIG kill lands as the thread exits: one second is ample to see it
+        gone, _alive = await trio.to_thread.run_sync(lambda: psutil.wait_procs(procs, timeout=1))
+        assert gone == []
+        value = await link.call(link.ray.put(41))
+        assert value == 41
+    finally:
+        await trio.to_thread.run_sync(link.release)
+    assert await no_ray_left() == []
+
+
+@pytest.mark.vllm
+async def test_a_vllm_stage_in_an_actor_gives_the_same_greedy_tokens() -> None:
+    greedy = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    stage = {
+        "id": "thinker",
+        "backend": "vllm",
+        "engine_args": {"model": "tiny:thinker"},
+        "final_output": True,
+        "default_sampling_params": greedy,
+    }
+    prompts = ["hello tiny world", "the river and the moon"]
+
+    async def tokens(config: dict) -> list[list[int]]:
+        async with omni_trio.open_engine(config) as engine:
+            got = []
+            for p in prompts:
+                got.append([t for o in await engine.generate(p).collect() for t in o.token_ids])
+            assert engine.statistics().stage_requests_in_flight == 0
+            return got
+
+    local = await tokens({"stages": [stage]})
+    remote = await tokens({"stages": [{**stage, "placement": {"ray": {"num_cpus": 1}}}]})
+    assert remote == local and all(len(t) == 12 for t in local)
     assert await no_ray_left() == []
 
 
