@@ -355,6 +355,22 @@ class RequestHandle:
         assert isinstance(item, OmniOutput)
         return item
 
+    async def next_output(self) -> OmniOutput:
+        """:meth:`receive` for the async iterator protocol: ``StopAsyncIteration`` (not
+        ``trio.EndOfChannel``) after the last output. Always checkpoints."""
+        req = self._req
+        try:
+            item = await req.queue.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+        if type(item) is tuple:
+            # req.output(item), inlined: once per output
+            return req._convert(req.lifecycle.request_id, item[0], item[1])
+        if isinstance(item, outcome.Error):
+            item.unwrap()
+        assert isinstance(item, OmniOutput)
+        return item
+
     def cancel(self) -> None:
         """Abort the request without waiting. Synchronous; a no-op once it ended."""
         self._req.request_abort()

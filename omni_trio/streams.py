@@ -14,7 +14,7 @@ cancel-and-wait, status); the request itself is owned by the orchestrator.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -205,6 +205,12 @@ class RequestStream:
             return [out async for out in self]
 
     def __aiter__(self) -> AsyncIterator[OmniOutput]:
+        handle = self._handle
+        if self._in_context and handle is not None:
+            # inside `async with`, leaving the block is what ends the request: the iterator
+            # needs no finalizer, so it is the handle's own next_output (no async generator
+            # and no frame of its own per output)
+            return _Outputs(handle)
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[OmniOutput]:
@@ -231,3 +237,20 @@ class RequestStream:
         return (
             f"<RequestStream {self.request_id!r} {self.status} outputs={list(self.plan.outputs)}>"
         )
+
+
+class _Outputs(AsyncIterator[OmniOutput]):
+    """A stream's outputs, iterated inside its ``async with`` block: each ``__anext__`` is
+    :meth:`RequestHandle.next_output` (always a checkpoint; cancelling it cancels the
+    request through the block's ``__aexit__``)."""
+
+    __slots__ = ("_next",)
+
+    def __init__(self, handle: RequestHandle) -> None:
+        self._next = handle.next_output
+
+    def __aiter__(self) -> _Outputs:
+        return self
+
+    def __anext__(self) -> Awaitable[OmniOutput]:
+        return self._next()
