@@ -36,6 +36,18 @@ __all__ = ["RequestStream"]
 class RequestStream:
     """The output stream of one request. See the module docstring."""
 
+    # one per request: no instance dict (a tracked object less for the garbage collector)
+    __slots__ = (
+        "__weakref__",
+        "_first",
+        "_handle",
+        "_in_context",
+        "_orchestrator",
+        "context",
+        "plan",
+        "request_id",
+    )
+
     def __init__(
         self,
         orchestrator: Orchestrator,
