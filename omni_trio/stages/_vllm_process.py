@@ -8,9 +8,11 @@ while an engine is built is unambiguously that engine's; :func:`reap` and
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,6 +28,8 @@ IMPORT_LOCK = threading.Lock()
 # child that appears is unambiguously this engine's, and a per-engine environment
 # (VLLM_CPU_OMP_THREADS_BIND) is inherited by that child only.
 _SPAWN_LOCK = threading.Lock()
+
+logger = logging.getLogger(__name__)
 
 
 def import_vllm() -> SimpleNamespace:
@@ -142,9 +146,14 @@ def shutdown_engine(engine: Any, procs: list[Any], core_pids: list[int], grace: 
     collections and the whole stop takes ~1-2 s on 2 cores, well inside ``grace``; vLLM
     kills only a core that overstays it (and the resource tracker then reports what the
     kill leaked). Raises what vLLM's shutdown raises, once the processes were reaped anyway.
+
+    Logs at debug level when the stop begins and when it ends, with the EngineCore pids
+    (``core_pids``) and ``time.monotonic()`` (``t``) as record attributes (``stop_phase``:
+    ``begin``/``end``): what tells an engine's own stop from the rest of a close.
     """
     import psutil
 
+    _log_stop_phase("begin", core_pids)
     grand: list[Any] = []
     for pid in core_pids:
         try:
@@ -164,6 +173,16 @@ def shutdown_engine(engine: Any, procs: list[Any], core_pids: list[int], grace: 
         for p in alive:
             p.kill()
         psutil.wait_procs(alive, timeout=5.0)
+        _log_stop_phase("end", core_pids)
+
+
+def _log_stop_phase(phase: str, core_pids: list[int]) -> None:
+    logger.debug(
+        "vllm engine stop %s (EngineCore %s)",
+        phase,
+        core_pids,
+        extra={"stop_phase": phase, "core_pids": tuple(core_pids), "t": time.monotonic()},
+    )
 
 
 def _restore_env(key: str, value: str | None) -> None:

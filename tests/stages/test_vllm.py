@@ -8,6 +8,7 @@ equality is checked against a hand-driven asyncio AsyncLLM program run in a subp
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -122,7 +123,10 @@ def stage(sid: str, engine_args: dict[str, Any], **kw: Any) -> StageConfig:
 
 
 # -- backend-level ------------------------------------------------------------------------
-async def test_backend_streams_greedy_tokens_aborts_and_cleans_up() -> None:
+async def test_backend_streams_greedy_tokens_aborts_and_cleans_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="omni_trio.stages._vllm_process")
     threads_before = {t.name for t in threading.enumerate()}
     # a window of 2 outputs: a consumer slower than the engine stalls its request
     backend = VllmBackend(stage("thinker", THINKER, options={"output_buffer": 2}), stage_index=0)
@@ -237,6 +241,14 @@ async def test_backend_streams_greedy_tokens_aborts_and_cleans_up() -> None:
     new = {t.name for t in threading.enumerate()} - threads_before - {"tqdm_monitor"}
     assert {n for n in new if not n.startswith("Trio thread")} == set()
     assert not backend.alive and "stopped" in repr(backend)
+    # the engine's stop is logged (debug) where it begins and ends, with its EngineCore's pid
+    # and monotonic times: what bench_vllm_pipeline tells an engine's own stop by
+    stops = [r for r in caplog.records if hasattr(r, "stop_phase")]
+    assert [(r.stop_phase, r.core_pids) for r in stops] == [
+        ("begin", tuple(backend.core_pids)),
+        ("end", tuple(backend.core_pids)),
+    ]
+    assert stops[0].t < stops[1].t <= time.monotonic()
 
 
 async def test_killed_engine_core_fails_only_its_replica() -> None:
