@@ -31,6 +31,14 @@ Reading the output (one JSON object on stdout; progress on stderr):
   x stages. This is the frontend's cost; when the engines keep the cores busy (``spread``) it
   is what the ratio follows.
 - ``init_s``: engine construction to ready; ``shutdown_s``: start of close to its return.
+- ``stop``: where the close's time went (:func:`stop_breakdown`). An engine's own stop runs
+  from the moment its stop begins (omni-trio's vllm backend logs it at debug level; the hand
+  program calls ``shutdown()``) until its EngineCore and that core's workers have exited (seen
+  on pidfds); ``gap`` is the close minus the slowest engine's own stop (target: at most 1 s).
+- ``idle`` (with ``--idle-s``): CPU seconds of the frontend process and of each engine's
+  processes (EngineCore and workers) while the engine sits idle, from ``IDLE_SETTLE_S`` after
+  the last batch; ``idle.settle``: the same over the ``IDLE_SETTLE_S`` before (vLLM's readers
+  still spinning).
 - Processes: each run records what it spawned just before close (``children``) and which of
   those still exist right after close returned (``after_close``). Once the subprocess has
   exited, ``leftover.at_exit`` lists the ones still there (a zombie shows with its status) and
@@ -39,7 +47,7 @@ Reading the output (one JSON object on stdout; progress on stderr):
 
     python benchmarks/bench_vllm_pipeline.py [--stages 1,2,3] [--layouts core0,spread]
         [--passes 3] [--requests 64] [--tokens 16] [--batches 3] [--systems hand,omni]
-        [--child-timeout 1200]
+        [--idle-s 0] [--child-timeout 1200]
 """
 
 from __future__ import annotations
@@ -48,11 +56,14 @@ import argparse
 import contextlib
 import importlib.metadata
 import json
+import logging
 import os
+import select
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -67,6 +78,9 @@ LAYOUTS = ("core0", "spread")
 SYSTEMS = ("hand", "omni")
 #: how long the parent watches leftover processes go away after a subprocess exited
 LEFTOVER_GRACE_S = 5.0
+#: idle CPU is measured from this long after the last batch: vLLM's shared-memory readers
+#: (EngineCore and worker) busy-poll their queue for 1 s after their last read
+IDLE_SETTLE_S = 2.0
 
 
 # -- pure helpers -------------------------------------------------------------------------
@@ -177,6 +191,8 @@ def summarize_cell(
         "init_s": {s: per_pass(s, lambda r: r["init_s"]) for s in systems},
         "shutdown_s": {s: per_pass(s, lambda r: r["shutdown_s"]) for s in systems},
         "tokens_ok": {s: per_pass(s, lambda r: r["tokens_ok"]) for s in systems},
+        "stop": {s: per_pass(s, lambda r: r["stop"]) for s in systems},
+        "idle": {s: per_pass(s, lambda r: r.get("idle")) for s in systems},
         "leftover": {
             s: [
                 {"pass": i, **p[s]["leftover"]}
@@ -206,11 +222,31 @@ def summary_row(cell: dict[str, Any]) -> dict[str, Any]:
         "cpu_ratio": cpu_ratio and r3(cpu_ratio["median"]),
         "init_s": {s: _median(cell["init_s"][s]) for s in cell["init_s"]},
         "shutdown_s": {s: _median(cell["shutdown_s"][s]) for s in cell["shutdown_s"]},
+        "slowest_own_stop_s": {s: _stop_median(cell, s, "slowest_own_stop") for s in cell["stop"]},
+        "stop_gap_s": {s: _stop_median(cell, s, "gap") for s in cell["stop"]},
+        "idle_cpu_s": {s: _idle_median(cell["idle"][s]) for s in cell["idle"]},
         "left_at_exit": sum(len(r["at_exit"]) for v in cell["leftover"].values() for r in v),
         "left_after_grace": sum(
             len(r["after_grace"]) for v in cell["leftover"].values() for r in v
         ),
         "failed_runs": sum(len(v) for v in cell["errors"].values()),
+    }
+
+
+def _stop_median(cell: dict[str, Any], system: str, field: str) -> float | None:
+    """The median over passes of one figure of the stop breakdowns of ``system``."""
+    return _median([None if stop is None else stop[field] for stop in cell["stop"][system]])
+
+
+def _idle_median(idles: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Median over passes of the idle CPU seconds of the frontend and of all engines."""
+    present = [i for i in idles if i is not None]
+    if not present:
+        return None
+    return {
+        "seconds": present[0]["seconds"],
+        "frontend": _median([i["frontend_cpu_s"] for i in present]),
+        "engines": _median([sum(i["engines_cpu_s"].values()) for i in present]),
     }
 
 
@@ -279,12 +315,173 @@ def still_there(procs: Sequence[Sequence[Any]]) -> list[dict[str, Any]]:
     return found
 
 
+# -- in the subprocess: each engine's own stop ---------------------------------------------
+#: the logger whose debug records mark where each omni-trio engine's stop begins and ends
+STOP_LOGGER = "omni_trio.stages._vllm_process"
+
+
+def engine_groups() -> dict[int, list[int]]:
+    """EngineCore pid -> the pids of it and every process it spawned (its workers). An
+    EngineCore is a child of this process titled ``VLLM::EngineCore`` (vLLM sets the title;
+    before that, its command line is multiprocessing's ``spawn_main``)."""
+    groups: dict[int, list[int]] = {}
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            line = child.cmdline()
+            if line[:1] == ["VLLM::EngineCore"] or any("spawn_main" in p for p in line):
+                groups[child.pid] = [child.pid] + [g.pid for g in child.children(recursive=True)]
+    return groups
+
+
+class ExitWatch:
+    """When each watched process exits (``time.monotonic()``), seen by a thread polling their
+    pidfds: a pidfd turns readable the moment its process ends (zombie or reaped), whoever
+    its parent is. Costs nothing while the processes live."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.exited: dict[int, float] = {}
+        self._fds: dict[int, int] = {}  # pidfd -> pid
+        for pid in pids:
+            try:
+                self._fds[os.pidfd_open(pid)] = pid
+            except ProcessLookupError:
+                self.exited[pid] = time.monotonic()  # gone before the watch began
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, name="exit-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = select.poll()
+        for fd in [*self._fds, self._wake_r]:
+            poller.register(fd, select.POLLIN)
+        pending = set(self._fds)
+        while pending:
+            ready = poller.poll()
+            now = time.monotonic()
+            for fd, _ in ready:
+                if fd == self._wake_r:
+                    return
+                self.exited[self._fds[fd]] = now
+                poller.unregister(fd)
+                pending.discard(fd)
+
+    def close(self, wait: float = 0.0) -> dict[int, float]:
+        """Stop watching, after up to ``wait`` seconds for the processes still alive; pid ->
+        exit time of every watched process that exited."""
+        self._thread.join(wait)
+        os.write(self._wake_w, b"x")
+        self._thread.join()
+        for fd in [*self._fds, self._wake_r, self._wake_w]:
+            os.close(fd)
+        return dict(self.exited)
+
+
+class StopLog(logging.Handler):
+    """Collects the stop phases omni-trio's vllm backend logs at debug level:
+    (phase, EngineCore pids, monotonic time)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.phases: list[tuple[str, tuple[int, ...], float]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        phase = getattr(record, "stop_phase", None)
+        if phase is not None:
+            pids, t = getattr(record, "core_pids", ()), getattr(record, "t", None)
+            if t is not None:
+                self.phases.append((phase, tuple(pids), float(t)))
+
+
+@contextlib.contextmanager
+def stop_log() -> Iterator[StopLog]:
+    handler = StopLog()
+    log = logging.getLogger(STOP_LOGGER)
+    level = log.level
+    log.setLevel(logging.DEBUG)
+    log.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+def engine_stops(
+    groups: dict[int, list[int]],
+    phases: Sequence[tuple[str, Sequence[int], float]],
+    exited: dict[int, float],
+) -> list[dict[str, Any]]:
+    """One record per engine (EngineCore pid -> its processes): when its stop began and its
+    stop call returned (from ``phases``: (``begin``/``end``, EngineCore pids, time)), and
+    when the last of its processes exited (``gone``, None if one never did)."""
+    marks: dict[tuple[str, int], float] = {}
+    for phase, pids, t in phases:
+        for pid in pids:
+            marks.setdefault((phase, pid), t)
+    stops = []
+    for core, pids in groups.items():
+        exits = [exited.get(pid) for pid in pids]
+        gone = None if None in exits else max(e for e in exits if e is not None)
+        stops.append(
+            {
+                "core_pid": core,
+                "processes": len(pids),
+                "begin": marks.get(("begin", core)),
+                "end": marks.get(("end", core)),
+                "gone": gone,
+            }
+        )
+    return stops
+
+
+def stop_breakdown(
+    t_close: float, t_closed: float, stops: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
+    """Where a close's time went, in seconds. Per engine: ``began`` (its stop began, from the
+    start of close), ``own_stop`` (from that moment until its EngineCore and workers were
+    gone), ``call`` (the stop call itself, reaping included), ``gone`` (from the start of
+    close). For the close: ``close`` (start to return), ``slowest_own_stop``, ``gap``
+    (close minus the slowest own stop: the target is at most 1 s), ``before_first_stop`` and
+    ``after_last_gone``. Figures that cannot be computed (a stop never logged, a process
+    never seen to exit) are None."""
+
+    def since(t: float | None, origin: float | None) -> float | None:
+        return None if t is None or origin is None else t - origin
+
+    engines = [
+        {
+            "core_pid": s["core_pid"],
+            "processes": s["processes"],
+            "began": since(s["begin"], t_close),
+            "own_stop": since(s["gone"], s["begin"]),
+            "call": since(s["end"], s["begin"]),
+            "gone": since(s["gone"], t_close),
+        }
+        for s in stops
+    ]
+    own = [e["own_stop"] for e in engines]
+    slowest = None if not own or None in own else max(own)
+    begins = [s["begin"] for s in stops]
+    gones = [s["gone"] for s in stops]
+    close = t_closed - t_close
+    return {
+        "close": close,
+        "slowest_own_stop": slowest,
+        "gap": None if slowest is None else close - slowest,
+        "before_first_stop": None if not begins or None in begins else min(begins) - t_close,
+        "after_last_gone": None if not gones or None in gones else t_closed - max(gones),
+        "engines": engines,
+    }
+
+
 def child_result(
     timing: dict[str, Any],
     init_s: float,
     shutdown_s: float,
     procs: list[list[Any]],
     a: argparse.Namespace,
+    stop: dict[str, Any],
+    idle: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "batch_walls_s": timing["walls"],
@@ -298,6 +495,51 @@ def child_result(
         "shutdown_s": shutdown_s,
         "children": procs,
         "after_close": still_there(procs),
+        "stop": stop,
+        "idle": idle,
+    }
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU time of ``pids`` (each process alone, not its children)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def idle_snapshot(groups: dict[int, list[int]]) -> dict[str, Any]:
+    """CPU seconds so far of this process (the frontend) and of each engine's processes."""
+    return {
+        "frontend": time.process_time(),
+        "engines": {core: cpu_seconds(pids) for core, pids in groups.items()},
+    }
+
+
+async def measure_idle(
+    groups: dict[int, list[int]], sleep: Callable[[float], Awaitable[None]], seconds: float
+) -> dict[str, Any]:
+    """:func:`idle_cpu` over ``seconds`` from ``IDLE_SETTLE_S`` on, and the settling time
+    before (as ``settle``). Awaits ``sleep`` only, so it runs on asyncio and on trio alike."""
+    after_work = idle_snapshot(groups)
+    await sleep(IDLE_SETTLE_S)
+    settled = idle_snapshot(groups)
+    await sleep(seconds)
+    idle = idle_cpu(settled, idle_snapshot(groups), seconds)
+    idle["settle"] = idle_cpu(after_work, settled, IDLE_SETTLE_S)
+    return idle
+
+
+def idle_cpu(before: dict[str, Any], after: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """CPU seconds used between two :func:`idle_snapshot` s taken ``seconds`` apart."""
+    return {
+        "seconds": seconds,
+        "frontend_cpu_s": after["frontend"] - before["frontend"],
+        "engines_cpu_s": {
+            str(core): after["engines"][core] - cpu for core, cpu in before["engines"].items()
+        },
     }
 
 
@@ -346,6 +588,7 @@ def run_hand(a: argparse.Namespace) -> dict[str, Any]:
 
     async def main() -> dict[str, Any]:
         engines: list[Any] = []
+        idle = None
         t0 = time.perf_counter()
         try:
             for k, model in enumerate(stage_models(a.child_stages)):
@@ -358,13 +601,27 @@ def run_hand(a: argparse.Namespace) -> dict[str, Any]:
                 return [t.result() for t in tasks]
 
             timing = await run_batches(batch, a.requests, a.tokens, a.batches)
+            if a.idle_s > 0:
+                idle = await measure_idle(engine_groups(), asyncio.sleep, a.idle_s)
             procs = descendants()
         finally:
-            t_close = time.perf_counter()
+            groups = engine_groups()
+            watch = ExitWatch([pid for group in groups.values() for pid in group])
+            phases: list[tuple[str, tuple[int, ...], float]] = []
+            t_close, m_close = time.perf_counter(), time.monotonic()
             for engine in engines:
+                manager = engine.engine_core.resources.engine_manager
+                cores = tuple(p.pid for p in manager.processes)
+                phases.append(("begin", cores, time.monotonic()))
                 engine.shutdown()
+                phases.append(("end", cores, time.monotonic()))
             shutdown_s = time.perf_counter() - t_close
-        return child_result(timing, init_s, shutdown_s, procs, a)
+            m_closed = time.monotonic()
+            # vLLM's own stop may leave the worker of a killed EngineCore behind: its exit
+            # still ends the engine's own stop (not part of close, which has returned)
+            stops = engine_stops(groups, phases, watch.close(wait=LEFTOVER_GRACE_S))
+        stop = stop_breakdown(m_close, m_closed, stops)
+        return child_result(timing, init_s, shutdown_s, procs, a, stop, idle)
 
     return asyncio.run(main())
 
@@ -418,16 +675,25 @@ def run_omni(a: argparse.Namespace) -> dict[str, Any]:
         return counts
 
     async def main() -> dict[str, Any]:
+        idle = None
         t0 = time.perf_counter()
-        async with omni_trio.open_engine(config) as engine:
-            init_s = time.perf_counter() - t0
-            timing = await run_batches(
-                lambda tag: batch(engine, tag), a.requests, a.tokens, a.batches
-            )
-            procs = descendants()
-            t_close = time.perf_counter()
-        shutdown_s = time.perf_counter() - t_close
-        return child_result(timing, init_s, shutdown_s, procs, a)
+        with stop_log() as log:
+            async with omni_trio.open_engine(config) as engine:
+                init_s = time.perf_counter() - t0
+                timing = await run_batches(
+                    lambda tag: batch(engine, tag), a.requests, a.tokens, a.batches
+                )
+                groups = engine_groups()
+                if a.idle_s > 0:
+                    idle = await measure_idle(groups, trio.sleep, a.idle_s)
+                procs = descendants()
+                watch = ExitWatch([pid for group in groups.values() for pid in group])
+                t_close, m_close = time.perf_counter(), time.monotonic()
+            shutdown_s = time.perf_counter() - t_close
+            m_closed = time.monotonic()
+        stops = engine_stops(groups, log.phases, watch.close(wait=LEFTOVER_GRACE_S))
+        stop = stop_breakdown(m_close, m_closed, stops)
+        return child_result(timing, init_s, shutdown_s, procs, a, stop, idle)
 
     return trio.run(main)
 
@@ -439,6 +705,7 @@ def run_child(run: Run, a: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", run.system]
     cmd += ["--child-stages", str(run.n_stages), "--child-layout", run.layout]
     cmd += ["--requests", str(a.requests), "--tokens", str(a.tokens), "--batches", str(a.batches)]
+    cmd += ["--idle-s", str(a.idle_s)]
     env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -495,12 +762,15 @@ def describe(run: Run, result: dict[str, Any]) -> str:
     head = f"pass {run.pass_index + 1} {cell_name(run.n_stages, run.layout)} {run.system}:"
     if "error" in result:
         return f"{head} FAILED {result['error']}\n{result.get('stderr', '')}"
-    left = result["leftover"]
+    left, stop = result["leftover"], result["stop"]
     return (
         f"{head} {result['requests_per_s']['median']:.1f} req/s (best "
         f"{result['requests_per_s']['best']:.1f}), cpu {result['cpu_ms_per_request_stage']:.2f} "
         f"ms/request-stage, init {result['init_s']:.1f} s, shutdown {result['shutdown_s']:.1f} s"
+        f" (slowest engine's own stop {_seconds(stop['slowest_own_stop'])}, gap "
+        f"{_seconds(stop['gap'])})"
         + ("" if result["tokens_ok"] else ", TOKENS MISSING")
+        + (_describe_idle(result["idle"]) if result.get("idle") else "")
         + (f", left at exit: {left['at_exit']}" if left["at_exit"] else "")
         + (
             f", STILL THERE after {left['grace_s']:g} s: {left['after_grace']}"
@@ -508,6 +778,18 @@ def describe(run: Run, result: dict[str, Any]) -> str:
             else ""
         )
     )
+
+
+def _describe_idle(idle: dict[str, Any]) -> str:
+    engines = ", ".join(f"{cpu:.3f}" for cpu in idle["engines_cpu_s"].values())
+    return (
+        f", idle {idle['seconds']:g} s: frontend {idle['frontend_cpu_s']:.3f} s CPU,"
+        f" engines {engines} s"
+    )
+
+
+def _seconds(value: float | None) -> str:
+    return "?" if value is None else f"{value:.2f} s"
 
 
 def csv(
@@ -532,6 +814,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--batches", type=int, default=3)
+    ap.add_argument(
+        "--idle-s", type=float, default=0.0, help="seconds idle after the batches (CPU)"
+    )
     ap.add_argument("--child-timeout", type=float, default=1200.0, help="seconds per subprocess")
     ap.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--child-stages", type=int, help=argparse.SUPPRESS)

@@ -78,6 +78,7 @@ def _result(median_rps: float, cpu_ms: float, left: int = 0) -> dict[str, Any]:
         "shutdown_s": 2.0,
         "tokens_ok": True,
         "leftover": {"at_exit": at_exit, "grace_s": 5.0, "after_grace": at_exit[:1]},
+        "stop": {"close": 2.0, "gap": 0.5, "slowest_own_stop": 1.5, "engines": []},
     }
 
 
@@ -104,6 +105,9 @@ def test_cell_reports_median_ratio_spread_and_cpu_skipping_failed_passes() -> No
         "cpu_ratio": 1.5,
         "init_s": {"hand": 30.0, "omni": 30.0},
         "shutdown_s": {"hand": 2.0, "omni": 2.0},
+        "slowest_own_stop_s": {"hand": 1.5, "omni": 1.5},
+        "stop_gap_s": {"hand": 0.5, "omni": 0.5},
+        "idle_cpu_s": {"hand": None, "omni": None},
         "left_at_exit": 2,
         "left_after_grace": 1,
         "failed_runs": 1,
@@ -127,3 +131,96 @@ def test_cli_rejects_an_unknown_layout_or_stage_count() -> None:
     for argv in (["--stages", "4"], ["--layouts", "core1"], ["--systems", "vllm-omni"]):
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
+
+
+def test_stop_breakdown_times_each_engine_from_its_own_begin_to_its_last_process_exit() -> None:
+    # engine A (core 10, worker 11) begins 0.1 s into the close, its worker exits at 0.9 and
+    # its core at 1.4; engine B (core 20, worker 21) begins at 0.2 and is gone at 1.9; the
+    # close returns at 2.5
+    groups = {10: [10, 11], 20: [20, 21]}
+    phases = [("begin", (10,), 100.1), ("begin", (20,), 100.2), ("end", (10,), 101.45)]
+    phases.append(("end", (20,), 101.95))
+    exited = {11: 100.9, 10: 101.4, 21: 101.8, 20: 101.9}
+    stops = bench.engine_stops(groups, phases, exited)
+    assert [(s["core_pid"], s["processes"], s["gone"]) for s in stops] == [
+        (10, 2, 101.4),
+        (20, 2, 101.9),
+    ]
+    report = bench.stop_breakdown(100.0, 102.5, stops)
+    a, b = report["engines"]
+    assert a["began"] == pytest.approx(0.1) and a["own_stop"] == pytest.approx(1.3)
+    assert a["call"] == pytest.approx(1.35) and a["gone"] == pytest.approx(1.4)
+    assert b["own_stop"] == pytest.approx(1.7)
+    assert report["close"] == pytest.approx(2.5)
+    assert report["slowest_own_stop"] == pytest.approx(1.7)
+    assert report["gap"] == pytest.approx(0.8)  # close minus the slowest own stop
+    assert report["before_first_stop"] == pytest.approx(0.1)
+    assert report["after_last_gone"] == pytest.approx(0.6)
+
+
+def test_stop_breakdown_leaves_out_what_it_cannot_know() -> None:
+    # the stop of core 20 was never logged, and its worker was never seen to exit
+    groups = {10: [10, 11], 20: [20, 21]}
+    stops = bench.engine_stops(groups, [("begin", (10,), 1.0)], {10: 2.0, 11: 1.5, 20: 2.1})
+    report = bench.stop_breakdown(0.5, 3.0, stops)
+    assert [e["own_stop"] for e in report["engines"]] == [pytest.approx(1.0), None]
+    assert report["slowest_own_stop"] is None and report["gap"] is None
+    assert report["before_first_stop"] is None and report["after_last_gone"] is None
+    assert bench.stop_breakdown(0.0, 1.0, [])["gap"] is None  # no engine at all
+
+
+def test_idle_cpu_is_the_difference_of_two_snapshots() -> None:
+    before = {"frontend": 1.0, "engines": {10: 5.0, 20: 7.0}}
+    after = {"frontend": 1.002, "engines": {10: 5.5, 20: 7.0}}
+    idle = bench.idle_cpu(before, after, 10.0)
+    assert idle["seconds"] == 10.0
+    assert idle["frontend_cpu_s"] == pytest.approx(0.002)
+    assert idle["engines_cpu_s"] == {"10": pytest.approx(0.5), "20": 0.0}
+    # a cell: the median over passes of the frontend's and of all engines' idle CPU
+    cell = bench.summarize_cell(
+        2,
+        "core0",
+        [{"omni": {**_result(90, 3.0), "idle": i}} for i in (idle, idle, None)],
+        ["omni"],
+    )
+    assert bench.summary_row(cell)["idle_cpu_s"] == {
+        "omni": {"seconds": 10.0, "frontend": pytest.approx(0.002), "engines": pytest.approx(0.5)}
+    }
+
+
+def _stop_result(gap: float | None, slowest: float | None) -> dict[str, Any]:
+    stop = {"close": 2.0, "gap": gap, "slowest_own_stop": slowest, "engines": []}
+    return {**_result(100, 2.0), "stop": stop}  # replaces _result's
+
+
+def test_cell_reports_median_stop_gap_and_slowest_own_stop() -> None:
+    passes = [
+        {"omni": _stop_result(0.1, 1.5)},
+        {"omni": _stop_result(0.3, 2.5)},
+        {"omni": _stop_result(None, None)},
+    ]
+    cell = bench.summarize_cell(2, "core0", passes, ["omni"])
+    assert [s["gap"] for s in cell["stop"]["omni"]] == [0.1, 0.3, None]
+    row = bench.summary_row(cell)
+    assert row["stop_gap_s"] == {"omni": pytest.approx(0.2)}
+    assert row["slowest_own_stop_s"] == {"omni": pytest.approx(2.0)}
+
+
+@pytest.mark.slow
+def test_exit_watch_sees_a_process_exit_when_it_happens() -> None:
+    import subprocess
+    import time
+
+    short = subprocess.Popen(["sleep", "0.2"])
+    long = subprocess.Popen(["sleep", "30"])
+    t0 = time.monotonic()
+    watch = bench.ExitWatch([short.pid, long.pid])
+    short.wait()  # reaped: the exit was still seen
+    t_reaped = time.monotonic()
+    try:
+        exited = watch.close(wait=0.5)  # gives up on the long one
+    finally:
+        long.kill()
+        long.wait()
+    assert list(exited) == [short.pid]
+    assert t0 < exited[short.pid] <= t_reaped + 0.1
