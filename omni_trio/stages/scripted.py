@@ -31,8 +31,10 @@ finished output carries ``metrics == {"output_index": k}``; the others carry non
 ``stream_input: true`` output ``k`` is produced as soon as input token ``k`` has arrived.
 
 Interactions (``engine.interact`` / ``stream.interact``): ``{"stop": True}`` finishes the
-request now: its next output is its finished one, empty, with ``finish_reason="stop"`` (a
-stop that arrives while an output is being delivered takes effect right after it). Every
+request now: it cuts short the wait the request is in (its input, its latency, a hang), and
+its next output is its finished one, empty, with ``finish_reason="stop"``. A stop that
+arrives while the request is not waiting (an output is being delivered, or a zero-latency
+stage is at its schedule point before one) takes effect right after that output. Every
 interaction, the stop included, is recorded.
 
 ``received[request_id]`` records the input chunks a request brought, ``interactions[request_id]``
