@@ -16,8 +16,9 @@
    input, one request at a time through 3 scripted stages.
 4. Python heap per in-flight request: tracemalloc over N requests held by a stage that never
    emits: 3 stages held by the first (``memory``) or by the last one, once the two before it
-   finished (``memory_3_stages_in_last``: their outputs are kept for ``abort()``), and one
-   stage (``memory_1_stage``).
+   finished (``memory_3_stages_in_last``: their outputs are kept for ``abort()``, which
+   must return every stage's outputs so far; ``kept_for_abort_kib_per_request`` estimates
+   that part), and one stage (``memory_1_stage``).
 5. The engine's CPU time while idle (``idle``).
 6. With ``--replicas``: replica pools under load (``replicas``): balancing policies, a replica
    killed (with and without restart) and one added mid-run; see bench_replicas.py, which
@@ -445,7 +446,11 @@ async def rss_per_request(n: int, n_stages: int = 3, hang_stage: int = 0) -> dic
         traced = tracemalloc.get_traced_memory()[0] - traced0
         tracemalloc.stop()
         in_flight = engine.statistics().requests_in_flight
-        for s in streams:
+        kept = 0
+        for i, s in enumerate(streams):
+            # what abort() returns is what the request kept for it: the earlier stages'
+            # outputs (the hanging stage emitted none)
+            kept += sum(map(kept_bytes, await engine.abort(f"m{i}")))
             await s.__aexit__(None, None, None)
         assert engine.statistics().requests_in_flight == 0
     return {
@@ -453,7 +458,24 @@ async def rss_per_request(n: int, n_stages: int = 3, hang_stage: int = 0) -> dic
         "rss_delta_mib": (after - before) / 2**20,
         "rss_per_request_kib": (after - before) / max(1, in_flight) / 1024,
         "python_heap_per_request_kib": traced / max(1, in_flight) / 1024,
+        "kept_for_abort_kib_per_request": kept / max(1, in_flight) / 1024,
     }
+
+
+_STAGE_OUTPUT_BYTES = sys.getsizeof(StageOutput())
+
+
+def kept_bytes(out: omni_trio.OmniOutput) -> int:
+    """The heap a request holds for one output it keeps for abort() (an estimate): the
+    stage's StageOutput, its token tuple, text and metrics, two slots of the flat list."""
+    metrics = sys.getsizeof(out.metrics) if out.metrics is not None else 0
+    return (
+        _STAGE_OUTPUT_BYTES
+        + sys.getsizeof(out.token_ids)
+        + sys.getsizeof(out.text)
+        + metrics
+        + 2 * 8
+    )
 
 
 async def idle_cpu(seconds: float) -> dict[str, float]:
