@@ -23,6 +23,7 @@ from omni_trio import ReplicaDeadError, StageError, StageStartError
 from omni_trio.stages import ray as ray_stage
 from omni_trio.stages._ray_link import RayLink
 from omni_trio.stages.ray import RayBackend, placement_problem
+from omni_trio.testing import cancel_at_every_checkpoint
 
 pytestmark = pytest.mark.ray
 
@@ -328,4 +329,25 @@ async def test_a_stream_input_stage_on_ray_takes_its_input_as_it_comes():
         assert ("b", True) in order
         (stats,) = await engine.collective_rpc("stats", stage_ids=["b"])
         assert stats.requests_finished == 1 and stats.requests_in_flight == 0
+    assert await no_ray_left() == []
+
+
+async def test_a_consumer_cancelled_at_each_checkpoint_leaves_nothing_in_the_actor():
+    # b on Ray takes a's output as it streams; a consumer cancelled at each of its
+    # checkpoints (submitting, while the actor streams, leaving) must leave no request in
+    # either stage, in this process or in the actor
+    cfg = pipeline(True, stream_input=True, options={"outputs": 3, "latency_s": 0.005})
+    async with omni_trio.open_engine(cfg) as engine:
+
+        async def consumer(engine: omni_trio.Engine) -> None:
+            async with engine.generate("hi", output_stages=["a", "b"]) as stream:
+                async for _out in stream:
+                    pass
+
+        report = await cancel_at_every_checkpoint(engine, consumer)
+        report.raise_if_failed()
+        assert report.runs == report.checkpoints + 1 >= 6
+        # the actor's own backend: every request it saw was finished or aborted
+        (stats,) = await engine.collective_rpc("stats", stage_ids=["b"])
+        assert stats.requests_in_flight == 0 and stats.requests_aborted >= 1
     assert await no_ray_left() == []
