@@ -20,6 +20,7 @@ import trio
 
 import omni_trio
 from omni_trio import ReplicaDeadError, StageError, StageStartError
+from omni_trio.server.metrics import EngineMetrics
 from omni_trio.stages import ray as ray_stage
 from omni_trio.stages._ray_link import RayLink
 from omni_trio.stages.ray import RayBackend, placement_problem
@@ -148,6 +149,13 @@ async def test_a_killed_actor_fails_only_its_requests_and_is_restarted():
             await pool.wait_settled()
         stats = pool.statistics().replicas
         assert [r.state for r in stats] == ["ready", "ready"] and stats[0].restarts == 1
+        # the remote replicas in the health report and the Prometheus metrics, as local ones
+        health = engine.check_health()
+        assert health.status == "ok"
+        assert [(h.stage_id, h.live_replicas) for h in health.stages] == [("a", 1), ("b", 2)]
+        text = EngineMetrics(engine, attach=False).render().decode()
+        assert 'omni_trio_replica_restarts_total{replica="0",stage="b"} 1.0' in text
+        assert 'omni_trio_replica_state{replica="1",stage="b",state="ready"} 1.0' in text
         later = await run_all(engine, ["x", "y", "z", "w"])
         assert all(r[-1][2] for r in later)
     assert await no_ray_left() == []
