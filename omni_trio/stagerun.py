@@ -36,11 +36,12 @@ from .config import PipelineConfig
 from .errors import OmniTrioError, StageError
 from .lifecycle import ContractViolation
 from .observer import ObserverSet
-from .outputs import OmniOutput, StageInput, StageOutput
+from .outputs import StageInput, StageOutput
 from .planning import RequestPlan, StagePath, stage_path
 from .requests import Request
 from .routing import StageFeed, WholeInput
 from .stages._abc import StageAborted
+from .stages._emit import Emit, Emitter
 from .stages.pool import StagePool
 from .stages.processors import InputProcessor
 from .transport.queue import OutputQueue
@@ -102,8 +103,6 @@ class StageRunner:
         self._processors = processors
         self.observers = observers
         self._stages = {st.id: st for st in config.stages}
-        # stage id -> (index, output type), what each OmniOutput of the stage carries
-        self._kinds = {st.id: (i, st.output_type) for i, st in enumerate(config.stages)}
         # per route: each active stage's path and whether its outputs are streamed (they
         # depend on the plan and the config only); RoutePlanner keeps a bounded set of plans
         # (by the plan's id, checked against the plan itself: no hash of the plan per stage)
@@ -245,6 +244,7 @@ class StageRunner:
         # the consumer. The queue's window is the backpressure.
 
         queue = req.queue
+        lifecycle = req.lifecycle
 
         async def emit(out: StageOutput) -> None:
             item = self._record(req, sid, out)
@@ -253,7 +253,23 @@ class StageRunner:
             except (trio.WouldBlock, trio.BrokenResourceError):
                 await _deliver(req, item)
 
-        if await self._run_stage(req, sid, inputs, emit, streamed=True):
+        def emit_nowait(out: StageOutput) -> bool:
+            # the backend's fast path (see stages._emit): into the window if it has room, and
+            # only when the awaited emit would do just that (no abort, failure, violation)
+            if lifecycle.abort_requested or lifecycle.failed or lifecycle.stage_finished(sid):
+                return False
+            try:
+                queue.send_nowait((sid, out))
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                return False
+            # _record, inlined: the stage had not finished, so the lifecycle only needs to
+            # hear of a finished output
+            if out.finished:
+                lifecycle.stage_output(sid, True)
+            req.keep(sid, out)
+            return True
+
+        if await self._run_stage(req, sid, inputs, Emitter(emit, emit_nowait), streamed=True):
             if not req.lifecycle.failed and not req.lifecycle.stage_finished(sid):
                 # the backend ended without a finished output; the caller gets one
                 await emit(_STOPPED)
@@ -270,11 +286,19 @@ class StageRunner:
         # stage): the backend's outputs are kept, and routed here once it returned (out of
         # its call stack), straight to the downstream stages' input: no routing task.
         outs: list[StageOutput] = []
+        lifecycle = req.lifecycle
 
         async def emit(out: StageOutput) -> None:
             outs.append(self._record(req, sid, out)[1])
 
-        if not await self._run_stage(req, sid, inputs, emit, streamed=False, feeds=feeds):
+        def emit_nowait(out: StageOutput) -> bool:
+            if lifecycle.abort_requested or lifecycle.failed or lifecycle.stage_finished(sid):
+                return False  # the awaited emit raises the violation, or is cancelled
+            outs.append(self._record(req, sid, out)[1])
+            return True
+
+        emitter = Emitter(emit, emit_nowait)
+        if not await self._run_stage(req, sid, inputs, emitter, streamed=False, feeds=feeds):
             return _NONE_READY
         ready: list[tuple[StageFeed, StageInput | None]] = []
         try:
@@ -310,7 +334,7 @@ class StageRunner:
         req: Request,
         sid: str,
         inputs: Inputs,
-        emit: Callable[[StageOutput], Awaitable[None]],
+        emit: Emit,
         *,
         streamed: bool,
         feeds: Sequence[StageFeed] = (),
@@ -363,14 +387,26 @@ class StageRunner:
         # the stage's bounded outbox (with room it does not even yield); the stage's routing
         # task (_route_stage: the orchestrator's code, never the backend's call stack)
         # delivers them. The outbox ends with a completion marker only on a normal end.
+        lifecycle = req.lifecycle
+
         async def emit(out: StageOutput) -> None:
             try:
                 outbox.send_nowait(out)
             except trio.WouldBlock:
                 await outbox.send(out)
 
+        def emit_nowait(out: StageOutput) -> bool:
+            if lifecycle.abort_requested or lifecycle.failed:
+                return False
+            try:
+                outbox.send_nowait(out)
+            except (trio.WouldBlock, trio.ClosedResourceError):
+                return False
+            return True
+
+        emitter = Emitter(emit, emit_nowait)
         try:
-            if await self._run_stage(req, sid, inputs, emit, streamed=streamed, feeds=feeds):
+            if await self._run_stage(req, sid, inputs, emitter, streamed=streamed, feeds=feeds):
                 outbox.send_final_nowait(_COMPLETED)
         finally:
             outbox.close()
@@ -451,20 +487,3 @@ class StageRunner:
             chunk = feed.take(sid, out)
             if chunk is not None:
                 await feed.send(sid, chunk)
-
-    def output(self, request_id: str, stage_id: str, out: StageOutput) -> OmniOutput:
-        """The OmniOutput a caller gets for a stage's output (built when the consumer reads
-        it). Synchronous, pure."""
-        index, kind = self._kinds[stage_id]
-        return OmniOutput(
-            request_id=request_id,
-            stage_id=stage_id,
-            stage_index=index,
-            kind=kind,
-            text=out.text,
-            token_ids=tuple(out.token_ids),
-            data=out.data,
-            finished=out.finished,
-            finish_reason=out.finish_reason,
-            metrics=out.metrics,
-        )

@@ -9,7 +9,11 @@ Requests run as ``await backend.run_request(request_id, inputs, sampling_params,
 unless the stage has ``stream_input``), and the backend calls ``await emit(output)`` for each
 :class:`~omni_trio.outputs.StageOutput` delta, the last one with ``finished=True`` and none
 after it. ``emit`` may block: that is backpressure, and the backend must let it. Cancelling
-the task that runs ``run_request`` aborts the request in the backend before it returns.
+the task that runs ``run_request`` aborts the request in the backend before it returns. The
+``emit`` given to ``_run`` is an :class:`~._emit.Emitter`: ``emit.nowait(output)`` delivers
+an output synchronously when nothing would wait and returns whether it did (a backend that
+receives many requests' outputs in one task uses it to skip waking each request's task; see
+:mod:`._emit` for the rules that keep the order and the cancellation).
 
 Interactions (``engine.interact`` / ``stream.interact``) reach the replica running a request
 on its entry stage as ``await backend.interact(request_id, payload)``, which calls the
@@ -28,7 +32,7 @@ from __future__ import annotations
 import abc
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import trio
@@ -50,6 +54,7 @@ from ..outputs import (
     StageInput,
     StageOutput,
 )
+from ._emit import Emit, Emitter
 from ._requests import RunningRequest, request_outcome
 from ._watch import _watches, notify_run
 
@@ -60,6 +65,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT",
     "Emit",
+    "Emitter",
     "InputStream",
     "StageAborted",
     "StageBackend",
@@ -78,7 +84,6 @@ class StageAborted(OmniTrioError):
     """Raised by ``run_request`` when the request was aborted through ``abort()``."""
 
 
-Emit = Callable[[StageOutput], Awaitable[None]]
 #: a stage's input chunks (a memory channel, or the orchestrator's one-chunk WholeInput)
 InputStream = trio.abc.ReceiveChannel[StageInput]
 
@@ -289,7 +294,7 @@ class StageBackend(abc.ABC):
 
     def _cancel_work(self) -> None:
         for running in self._running.values():
-            running.scope.cancel()
+            running.cancel()
         for scope in self._rpcs:
             scope.cancel()
 
@@ -488,7 +493,7 @@ class StageBackend(abc.ABC):
         if running is None:
             await trio.lowlevel.checkpoint()
             return []
-        running.scope.cancel()
+        running.cancel()
         await running.wait_ended()
         return list(running.partial or ())
 

@@ -8,7 +8,6 @@ the request ended once the backend returned or raised.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Literal
 
 import trio
@@ -18,8 +17,7 @@ from ..errors import StageError
 if TYPE_CHECKING:
     from ..context import RequestContext
 from ..outputs import StageOutput
-
-Emit = Callable[[StageOutput], Awaitable[None]]  # as in the stage contract (_abc)
+from ._emit import Emit, Emitter, nowait_of
 
 __all__ = ["RequestOutcome", "RunningRequest", "request_outcome"]
 
@@ -51,6 +49,7 @@ class RunningRequest:
 
     __slots__ = (
         "_done",
+        "cancelled",
         "context",
         "ended",
         "finished",
@@ -76,6 +75,9 @@ class RunningRequest:
         self.stage_id = stage_id
         self.replica = replica
         self.scope = trio.CancelScope()
+        #: :meth:`cancel` was called (abort or replica death; a plain flag, where the scope's
+        #: ``cancel_called`` reads the clock)
+        self.cancelled = False
         #: what the backend emitted so far (``abort()`` and ``partial_outputs()`` return it)
         self.partial: list[StageOutput] | None = None  # created by the first output
         #: the finished output was delivered
@@ -88,6 +90,11 @@ class RunningRequest:
         #: the backend call returned or raised
         self.ended = False
         self._done: trio.Event | None = None  # created by the first waiter (abort())
+
+    def cancel(self) -> None:
+        """Cancel the backend's call (abort, replica death). Synchronous."""
+        self.cancelled = True
+        self.scope.cancel()
 
     def end(self) -> None:
         """The backend call is over: wake whoever waits in :meth:`wait_ended`. Synchronous."""
@@ -103,10 +110,14 @@ class RunningRequest:
             self._done.set()
         await self._done.wait()
 
-    def emitter(self, emit: Emit) -> Emit:
+    def emitter(self, emit: Emit) -> Emitter:
         """The ``emit`` the backend gets: records each output, then passes it on; an output
         after the finished one is not passed on but raises (and is kept as ``violation``, so
-        a backend that swallows the error still fails the request)."""
+        a backend that swallows the error still fails the request). Its ``nowait`` records
+        an output only once ``emit``'s own fast path delivered it, and refuses (``False``,
+        nothing recorded) after the finished output, once the request's scope was cancelled,
+        or when ``emit`` has no fast path."""
+        downstream = nowait_of(emit)
 
         async def record(out: StageOutput) -> None:
             if self.finished:
@@ -126,4 +137,19 @@ class RunningRequest:
             # only once delivered: an emit cancelled midway did not deliver it
             self.finished = out.finished
 
-        return record
+        if downstream is None:
+            return Emitter(record)
+
+        def record_nowait(out: StageOutput) -> bool:
+            # the awaited emit handles every refusal (it raises the violation, it is
+            # cancelled); the fast path only ever delivers
+            if self.finished or self.cancelled or not downstream(out):
+                return False
+            if self.partial is None:
+                self.partial = [out]
+            else:
+                self.partial.append(out)
+            self.finished = out.finished
+            return True
+
+        return Emitter(record, record_nowait)

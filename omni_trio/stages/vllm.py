@@ -6,11 +6,13 @@ code: requests, aborts, resumes and control calls are handed to the worker's loo
 (``EngineWorker.command``, thread-safe, never blocking); replies and events come back on
 :mod:`omni_trio.transport.bridge` channels. Outputs come back on one bridge per replica:
 everything one engine step produced, for all of its requests, crosses as one batch with at
-most one wake-up, and a demultiplexing task hands each request its items. Backpressure stays
-per request: each has a window of ``output_buffer`` outputs sent and not yet taken; a
-request out of credit leaves its outputs in vLLM's collector (which merges its deltas) until
-it has taken half of them, so a slow consumer holds back only its own request. A request
-whose outputs nobody streams (see ``outputs_streamed``) asks vLLM for ``FINAL_ONLY``.
+most one wake-up, and a demultiplexing task hands each request its items; while a request's
+task waits with nothing pending, its outputs go straight on through ``emit.nowait`` (into the
+consumer's window, without waking the request's task). Backpressure stays per request: each
+has a window of ``output_buffer`` outputs sent and not yet taken; a request out of credit
+leaves its outputs in vLLM's collector (which merges its deltas) until it has taken half of
+them, so a slow consumer holds back only its own request. A request whose outputs nobody
+streams (see ``outputs_streamed``) asks vLLM for ``FINAL_ONLY``.
 vllm is imported in the worker thread only, so ``import omni_trio`` stays light; without
 vllm, start-up raises :class:`~omni_trio.errors.BackendUnavailableError`.
 
@@ -63,9 +65,9 @@ with :class:`~omni_trio.errors.ReplicaDeadError`, ``serve()`` stops the worker a
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
-import math
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -77,10 +79,12 @@ import trio
 
 from ..context import RequestContext
 from ..errors import InvalidRequestError, ReplicaDeadError, StageError
-from ..outputs import StageInput, StageOutput
+from ..outputs import StageInput
 from ..transport.bridge import BridgeReceiver, open_bridge
 from ._abc import Emit, InputStream, StageBackend, collect_input
+from ._emit import nowait_of
 from ._vllm_mm import replica_scope
+from ._vllm_outputs import RequestInbox
 from ._vllm_protocol import (
     CPU_ENGINE_DEFAULTS,
     END,
@@ -107,9 +111,6 @@ THREAD_PREFIX = "omni-trio-vllm"
 # the memory is each request's own window (Flow), so this one never fills in practice.
 _OUTPUT_BATCHES = 1 << 20
 
-#: a request's items on the backend side: outputs, its failure, END
-_Item = StageOutput | outcome.Error | object
-
 
 class VllmBackend(StageBackend):
     """One replica of a vLLM stage (see the module docstring for config and behaviour)."""
@@ -124,7 +125,7 @@ class VllmBackend(StageBackend):
         self._out_rx: BridgeReceiver[Batch] | None = None
         self._outputs_ended = False  # the worker's output bridge ended (see _demultiplex)
         # request id -> where the demultiplexer puts that request's items
-        self._inboxes: dict[str, trio.MemorySendChannel[_Item]] = {}
+        self._inboxes: dict[str, RequestInbox] = {}
         self._exited = trio.Event()
         self.core_pids: tuple[int, ...] = ()
         self.options = parse_options(
@@ -202,15 +203,17 @@ class VllmBackend(StageBackend):
 
     async def _demultiplex(self) -> None:
         """Hand each item of the worker's per-step batches to its request (one wake-up per
-        engine step for all of them). When the worker's output side ends, every request
-        still waiting is told so (its inbox closes without END), and so is every later one."""
+        engine step for all of them; most outputs go straight on, see :class:`RequestInbox`).
+        When the worker's output side ends, every request still waiting is told so (its
+        inbox closes without END), and so is every later one."""
         assert self._out_rx is not None
+        inboxes = self._inboxes
         try:
             async for batch in self._out_rx:
                 for request_id, item in batch:
-                    inbox = self._inboxes.get(request_id)
+                    inbox = inboxes.get(request_id)
                     if inbox is not None:
-                        inbox.send_nowait(item)
+                        inbox.put(item)
         except anyio.BrokenResourceError:
             # the worker's thread ended without closing its end: the same as its end, every
             # waiting request fails below (ReplicaDeadError in _run), nothing is dropped
@@ -307,10 +310,16 @@ class VllmBackend(StageBackend):
         *,
         segmented: bool = False,
     ) -> None:
-        assert self._worker is not None
+        worker = self._worker
+        assert worker is not None
         flow = Flow(self._out_buffer)
-        # unbounded here: the worker sends at most flow.window outputs not yet taken
-        inbox, items = trio.open_memory_channel[_Item](math.inf)
+
+        def resume() -> None:
+            # rare: this request ran out of credit; the worker goes on now
+            worker.command(Resume(request_id))
+
+        # unbounded: the worker sends at most flow.window outputs not yet taken
+        inbox = RequestInbox(flow, resume, nowait_of(emit))
         self._inboxes[request_id] = inbox
         final_only = not self.outputs_streamed(request_id)
         ended = finished = False
@@ -320,30 +329,26 @@ class VllmBackend(StageBackend):
             submit = Submit(
                 request_id, prompt, sampling_params, final_only, flow, options, segmented
             )
-            if self._outputs_ended or not self._worker.command(submit):
+            if self._outputs_ended or not worker.command(submit):
                 ended = True  # nothing was submitted: nothing to abort
                 raise self._worker_gone(f"while request {request_id!r} was submitted")
-            async for item in items:
-                if item is END:
-                    ended = True
-                    break
-                if isinstance(item, outcome.Error):
-                    if isinstance(item.error, ReplicaDeadError):  # the engine died
-                        self._die(item.error)
-                    item.unwrap()
-                assert isinstance(item, StageOutput)
-                if flow.took():
-                    # rare: this request ran out of credit; the worker goes on now
-                    self._worker.command(Resume(request_id))
-                await emit(item)
-                finished = item.finished
-                if finished:
-                    return
-            if not ended:
-                raise self._worker_gone(f"while request {request_id!r} was running")
+            try:
+                last = await inbox.deliver(emit)
+            except trio.EndOfChannel:
+                raise self._worker_gone(f"while request {request_id!r} was running") from None
+            if last is None:
+                finished = True
+            elif last is END:
+                ended = True
+            else:
+                assert isinstance(last, outcome.Error)
+                if isinstance(last.error, ReplicaDeadError):  # the engine died
+                    self._die(last.error)
+                last.unwrap()
         finally:
             if not (finished or ended):
-                await self._abort_and_drain(request_id, items)
+                inbox.fast = None  # nothing more is delivered, from any task
+                await self._abort_and_drain(request_id, inbox)
             del self._inboxes[request_id]
             inbox.close()
 
@@ -354,18 +359,16 @@ class VllmBackend(StageBackend):
             replica=self.replica,
         )
 
-    async def _abort_and_drain(
-        self, request_id: str, items: trio.MemoryReceiveChannel[_Item]
-    ) -> None:
+    async def _abort_and_drain(self, request_id: str, inbox: RequestInbox) -> None:
         # The worker sends END only after vLLM dropped the request, so reading up to it is
         # what makes "aborted in the engine before returning" true.
         assert self._worker is not None
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + self._abort_timeout
             if self._worker.command(Abort(request_id)):
-                async for item in items:
-                    if item is END:
-                        break
+                with contextlib.suppress(trio.EndOfChannel):
+                    while await inbox.receive() is not END:
+                        pass
         if scope.cancelled_caught:
             logger.warning("%s: abort of %r not confirmed in time", self.name, request_id)
 

@@ -105,13 +105,6 @@ class OutputQueue(Generic[T]):
             self._receiver = None
             trio.lowlevel.reschedule(task)
 
-    async def _wait_for_item(self) -> None:
-        # park the one receiver until an item comes or a side closes; cancellable
-        if self._receiver is not None:
-            raise trio.BusyResourceError("another task is already receiving from this queue")
-        self._receiver = trio.lowlevel.current_task()
-        await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
-
     def _abort_wait(self, _: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
         self._receiver = None
         return trio.lowlevel.Abort.SUCCEEDED
@@ -147,9 +140,17 @@ class OutputQueue(Generic[T]):
             raise trio.BrokenResourceError("the consumer closed its side of the queue")
         if self._closed:
             raise trio.ClosedResourceError("the queue's sending side is closed")
-        if len(self._items) - self._head >= self._window:
+        items = self._items
+        if len(items) - self._head >= self._window:
             raise trio.WouldBlock
-        self._append(item)
+        # _append, inlined: this is the path of nearly every output
+        items.append(item)
+        task = self._receiver
+        if task is not None:
+            self._receiver = None
+            trio.lowlevel.reschedule(task)
+        if self._full and len(items) - self._head >= self._window:
+            self._full.unpark()
 
     def send_final_nowait(self, item: T) -> None:
         """Queue a final item past the window (never waits). Synchronous. Dropped when the
@@ -175,26 +176,30 @@ class OutputQueue(Generic[T]):
         :meth:`close_receiver`."""
         items = self._items
         if len(items) > self._head and not self._receiver_closed:
-            # the common case, an item is here: one checkpoint (cancelled there, the item
-            # stays queued), then take it
+            # an item is here: one checkpoint (cancelled there, the item stays queued), then
+            # take it
             await trio.lowlevel.checkpoint()
             if len(items) > self._head:
                 return self._popleft()
-        await trio.lowlevel.checkpoint_if_cancelled()
         waited = False
         while len(items) <= self._head:
             if self._receiver_closed:
+                if not waited:
+                    await trio.lowlevel.checkpoint_if_cancelled()
                 raise trio.ClosedResourceError("the queue's receiving side is closed")
             if self._closed:
                 if not waited:
-                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    await trio.lowlevel.checkpoint()
                 raise trio.EndOfChannel
-            await self._wait_for_item()
+            # the usual streaming case, nothing queued yet: park until an item comes or a
+            # side closes. Parking is the checkpoint (a pending cancellation is delivered
+            # there, and then nothing was taken)
+            if self._receiver is not None:
+                raise trio.BusyResourceError("another task is already receiving from this queue")
+            self._receiver = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
             waited = True
-        item = self._popleft()
-        if not waited:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-        return item
+        return self._popleft()
 
     async def wait_full(self) -> None:
         """Wait until the window is full or the sending side closed (a receiver that takes
