@@ -61,6 +61,11 @@ class StageGroup:
                 try:
                     async with trio.open_nursery() as pools:
                         await self._start(pools)
+                        # A cancellation that landed while the last pool reported ready has
+                        # reached some replicas but not this task: honour it here. Shielding
+                        # now would hide it from the pools, whose nurseries would then absorb
+                        # their replicas' Cancelled and end as if the start was interrupted.
+                        await trio.lowlevel.checkpoint_if_cancelled()
                         scope.shield = True
                         task_status.started()
                         await trio.sleep_forever()
