@@ -61,3 +61,111 @@ async def test_a_stage_taking_whole_input_starts_when_it_is_complete(autojump_cl
         assert [o.token_ids[0] for o in outs] == [t + 2 for t in PROMPT]
         assert scripted_backends(engine, "s1")[0].completed == ["r"]
         assert_nothing_in_flight(engine)
+
+
+# -- the emit fast path (stages/_emit.py) through the orchestrator ------------------------
+STEPPED = """
+import trio
+from omni_trio import StageBackend, StageOutput
+from omni_trio.stages import collect_input
+from omni_trio.stages._emit import Emitter, nowait_of
+from omni_trio.stages._vllm_outputs import RequestInbox
+from omni_trio.stages._vllm_protocol import Flow
+
+STEPS = 6
+
+
+class Stepped(StageBackend):
+    # Model-free, shaped like a vllm replica: one replica task makes, every 10 ms step, the
+    # next output of every running request and hands it to the request's RequestInbox (as
+    # the vllm demultiplexer does: straight through emit.nowait while the request's task
+    # waits). Output k of a request carries token first_input_token + k.
+    async def _start(self):
+        self.inboxes = {}
+        self.fast = 0  # outputs the fast path delivered
+
+    async def _serve_forever(self):
+        while True:
+            await trio.sleep(0.01)
+            for rid, state in list(self.inboxes.items()):
+                inbox, base, k = state
+                if not inbox.flow.reserve():
+                    continue  # out of credit: the request waits for its consumer
+                state[2] = k + 1
+                last = k + 1 == STEPS
+                if last:
+                    del self.inboxes[rid]
+                inbox.put(StageOutput(token_ids=(base + k,), finished=last))
+
+    async def _run(self, request_id, inputs, sampling_params, emit):
+        chunk = await collect_input(inputs)
+        fast = nowait_of(emit)
+
+        def counted(out):
+            delivered = fast(out)
+            self.fast += delivered
+            return delivered
+
+        inbox = RequestInbox(Flow(2), lambda: None, counted)
+        self.inboxes[request_id] = [inbox, chunk.token_ids[-1], 0]
+        try:
+            last = await inbox.deliver(emit)
+            assert last is None
+        finally:
+            self.inboxes.pop(request_id, None)
+"""
+
+
+def stepped_pipeline(module: str, outputs: list[str], **engine: object) -> object:
+    stages = [
+        {"id": "a", "backend": f"{module}:Stepped", "final_output": "a" in outputs},
+        {"id": "b", "backend": f"{module}:Stepped", "inputs": ["a"], "final_output": True},
+    ]
+    return omni_trio.load_config({"stages": stages, **engine})
+
+
+@pytest.mark.parametrize("outputs", [["b"], ["a", "b"]])
+async def test_fast_path_outputs_arrive_whole_and_in_order(autojump_clock, user_module, outputs):
+    # "a" alone is collected (nobody streams it), with "a" an output stage too it is routed;
+    # "b" is read by the consumer. A fast consumer and one slower than the engine (its window
+    # of 2 fills, the rest go through the request's task) get the same outputs, in order.
+    cfg = stepped_pipeline(user_module(STEPPED), outputs, output_buffer=2)
+    async with omni_trio.open_engine(cfg) as engine:
+        for slow in (False, True):
+            got: dict[str, list[tuple[int, ...]]] = {}
+            queued = []
+            async with engine.generate([5], request_id=f"r{slow}") as stream:
+                async for out in stream:
+                    got.setdefault(out.stage_id, []).append(out.token_ids)
+                    if slow:
+                        await trio.sleep(0.05)
+                        info = engine.orchestrator.request_info(f"r{slow}")
+                        queued.append(info.outputs_queued if info else 0)
+            # the window holds: full while the consumer lags, never past it (a finished
+            # output may pass it by one, once per output stage)
+            assert not slow or 2 in queued and max(queued) <= 2 + len(outputs)
+            assert got["b"] == [(5 + 5 + k,) for k in range(6)]  # b's input: a's last token
+            if "a" in outputs:
+                assert got["a"] == [(5 + k,) for k in range(6)]
+        fast = [engine.pools[s].replica(0).fast for s in "ab"]  # type: ignore[attr-defined]
+        assert fast[1] > 0  # the consumer's stage used the fast path
+        assert_nothing_in_flight(engine)
+
+
+async def test_fast_path_abort_mid_stream_returns_what_was_delivered(autojump_clock, user_module):
+    cfg = stepped_pipeline(user_module(STEPPED), ["b"])
+    async with omni_trio.open_engine(cfg) as engine:
+        async with engine.generate([1], request_id="r") as stream:
+            seen = [await stream.receive() for _ in range(2)]
+            partial = await engine.abort("r")
+            rest = [out async for out in stream]
+        b = engine.pools["b"].replica(0)
+        assert b.fast >= 2  # type: ignore[attr-defined]
+        # the consumer got what the stage delivered, then one abort terminal, nothing after
+        delivered = [o for o in partial if o.stage_id == "b"]
+        assert [o.token_ids for o in seen] == [o.token_ids for o in delivered[:2]]
+        assert [o.token_ids for o in seen + rest[:-1]] == [o.token_ids for o in delivered]
+        assert rest[-1].aborted and rest[-1].finished
+        await trio.sleep(0.1)  # steps after the abort deliver nothing
+        assert b.statistics().requests_aborted == 1 and not b.inboxes  # type: ignore[attr-defined]
+        assert_nothing_in_flight(engine)

@@ -396,6 +396,9 @@ async def test_a_killed_engine_core_fails_only_its_requests_and_is_restarted() -
 async def test_open_engine_one_and_two_stage_pipelines_match_hand_driven() -> None:
     config = {
         "name": "tiny-llm-chain",
+        # a window of 2 outputs per request: a consumer that lags fills it (backpressure);
+        # while it has room, outputs go straight on from the replica's demultiplexer
+        "output_buffer": 2,
         "stages": [
             {
                 "id": "thinker",
@@ -426,6 +429,8 @@ async def test_open_engine_one_and_two_stage_pipelines_match_hand_driven() -> No
         refs.start_soon(get_reference)
         got: dict[tuple[int, str], list[int]] = {}
         one_stage: list[list[int]] = []
+        slow: list[int] = []
+        cut: list[int] = []
         async with omni_trio.open_engine(config) as engine:
             for i, prompt in enumerate(PROMPTS):
                 async with engine.generate(prompt, request_id=f"chain-{i}") as stream:
@@ -446,6 +451,27 @@ async def test_open_engine_one_and_two_stage_pipelines_match_hand_driven() -> No
             unfinished = await engine.collective_rpc("get_num_unfinished_requests")
             assert unfinished == [0, 0]
             assert engine.statistics().stage_requests_in_flight == 0
+
+            # a consumer slower than the engine (its window fills: outputs wait in the
+            # request's task, then vLLM's collector) gets the same tokens, in order
+            async for out in engine.generate(
+                PROMPTS[0], request_id="slow", final_stage_id="thinker"
+            ):
+                slow.extend(out.token_ids)
+                await trio.sleep(0.02)
+            # aborted mid-stream: the consumer got exactly what abort() returns, then an
+            # abort terminal; nothing is left in the engine
+            long = {"thinker": {**GREEDY, "max_tokens": 200}}
+            async with engine.generate(
+                PROMPTS[0], request_id="cut", final_stage_id="thinker", sampling_params=long
+            ) as stream:
+                seen = [await stream.receive() for _ in range(3)]
+                partial = await engine.abort("cut")
+                rest = [out async for out in stream]
+            assert rest[-1].aborted and len(partial) >= 3
+            assert [o.token_ids for o in seen + rest[:-1]] == [o.token_ids for o in partial]
+            cut = [t for o in partial for t in o.token_ids]
+            assert await engine.collective_rpc("get_num_unfinished_requests") == [0, 0]
 
             # a consumer cancelled at each of its checkpoints (while its request is being
             # submitted to a worker, aborted before the worker ran it, streaming, or being
@@ -468,6 +494,9 @@ async def test_open_engine_one_and_two_stage_pipelines_match_hand_driven() -> No
         assert got[(i, "thinker")] == ref[i][0]
         assert got[(i, "talker")] == ref[i][1]
         assert one_stage[i] == ref[i][0]
+    assert slow == ref[0][0]
+    n = min(len(cut), len(ref[0][0]))
+    assert n >= 3 and cut[:n] == ref[0][0][:n]  # greedy: a prefix of the same stream
 
 
 async def test_per_request_options_reach_vllm() -> None:
