@@ -1,15 +1,7 @@
 """The engine session: ``open_engine()`` and the ``Engine`` users hold.
 
-Structure: entering ``open_engine()`` opens one nursery. Into it go, in this order, the
-stages (one task owning every :class:`~omni_trio.stages.pool.StagePool`, hence every
-replica, worker thread and engine process; all started in parallel) and then the
-:class:`~omni_trio.orchestrator.Orchestrator` (``nursery.start(orchestrator.serve)``), which
-owns one task per request. Leaving the block closes the orchestrator first (admission stops,
-every request is aborted and its consumer gets its terminal outputs) and only once every
-request ended are the stages cancelled and stopped, in parallel, each bounded by its
-``shutdown_timeout``. The stages run under a shield while requests are in flight, so a
-cancellation from outside reaches the requests first and the stages after them: "requests
-stop before stages" is structure, not call order.
+The session's structure (requests stop before stages) is in :mod:`omni_trio._engine_session`;
+``generate()``'s checks and hooks are in :mod:`omni_trio._engine_requests`.
 
 Exception policy. *To the consumer* of a request (its stream's ``receive``/``async for``/
 ``collect``): that request's own outcome only: its outputs, one terminal per output stage
@@ -28,37 +20,23 @@ raises (it is detached).
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import os
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import overload
 
 import trio
 
-from .companions import expand_companions, load_expand_hooks
-from .config import PipelineConfig, check_vllm_stages, load_config
-from .context import RequestContext, check_request_options
-from .errors import (
-    EngineClosedError,
-    InvalidRequestError,
-    StageError,
-)
-from .failures import single_leaf
+from ._engine_requests import RequestMaker, abort_requests
+from ._engine_session import EngineSession
+from .config import PipelineConfig, load_config
+from .errors import InvalidRequestError
 from .health import HealthReport, assess_health
 from .hooks import PromptHooks
 from .observer import EngineObserver
 from .orchestrator import Orchestrator
 from .outputs import EngineStatistics, OmniOutput, Payload, Prompt, SamplingParams
-from .planning import (
-    RequestPlan,
-    RoutePlanner,
-    prompt_to_input,
-    resolve_sampling_params,
-    stage_ref,
-)
+from .planning import stage_ref
 from .rpc import fan_out_rpc
 from .stageinfo import StageInfo, SupportedTask, stage_infos, supported_tasks
 from .stages.group import StageGroup
@@ -67,27 +45,22 @@ from .streams import RequestStream
 
 __all__ = ["Engine", "open_engine"]
 
-logger = logging.getLogger(__name__)
-
 
 class Engine:
     """A running pipeline. Get one from :func:`open_engine`; it is valid inside that block."""
 
     def __init__(self, config: PipelineConfig, *, check_vllm: bool = False) -> None:
         self.config = config
-        self._check_vllm = check_vllm and any(st.backend == "vllm" for st in config.stages)
         self._stage_group = StageGroup(config)
         self.orchestrator = Orchestrator(config, self._stage_group.pools)
-        self._session: AbstractAsyncContextManager[Engine] | None = None  # while open
-        self._state = "new"  # new | starting | open | closing | closed
-        self._stop_error_raised = False
-        # pending collective_rpc calls: their scope (close cancels it) -> set when they end
-        self._rpcs: dict[trio.CancelScope, trio.Event] = {}
-        self._planner = RoutePlanner(config)
         self._prompt_hooks = PromptHooks(config)
-        self._expand_hooks = load_expand_hooks(
-            [(st.id, None if st.inputs else st.prompt_expand) for st in config.stages],
-            source=config.source,
+        self._requests = RequestMaker(config, self.orchestrator, self._prompt_hooks)
+        self._session = EngineSession(
+            config,
+            self._stage_group,
+            self.orchestrator,
+            self._prompt_hooks.keeper,
+            check_vllm=check_vllm,
         )
 
     # -- session -------------------------------------------------------------------------------
@@ -95,26 +68,7 @@ class Engine:
         """Start every stage in parallel; return once all are ready. Checkpoints. Raises
         :class:`StageStartError` (after stopping what started); cancelled, it stops what
         started and re-raises."""
-        if self._state != "new":
-            raise RuntimeError("an Engine session can be entered only once")
-        self._state = "starting"
-        session = self._run()
-        try:
-            if self._check_vllm:
-                # vLLM's own field checks import vllm: seconds, so never on this event loop
-                await trio.to_thread.run_sync(check_vllm_stages, self.config)
-                self._check_vllm = False
-            await session.__aenter__()
-        except BaseExceptionGroup as group:
-            self._state = "closed"
-            leaf = single_leaf(group)
-            if leaf is not None:
-                raise leaf from None
-            raise
-        except BaseException:
-            self._state = "closed"
-            raise
-        self._session = session
+        await self._session.enter()
         return self
 
     async def __aexit__(
@@ -123,66 +77,7 @@ class Engine:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        session, self._session = self._session, None
-        if session is None:
-            return False
-        try:
-            return bool(await session.__aexit__(exc_type, exc, tb))
-        except BaseExceptionGroup as group:
-            leaf = single_leaf(group)
-            if leaf is not None:
-                raise leaf from None
-            raise
-
-    @asynccontextmanager
-    async def _run(self) -> AsyncIterator[Engine]:
-        body_error: BaseException | None = None
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self._stage_group.serve)
-            try:
-                async with trio.open_nursery() as requests:
-                    await requests.start(self.orchestrator.serve)
-                    self._state = "open"
-                    try:
-                        yield self
-                    except BaseException as exc:
-                        # kept aside: it leaves open_engine unwrapped once all is stopped
-                        body_error = exc
-                    finally:
-                        self._begin_close()
-            finally:
-                # also when a cancellation from outside ends the requests' nursery: the
-                # stages' scope is shielded, so only this cancels it
-                with trio.CancelScope(shield=True):
-                    await self._rpcs_ended()
-                    # every request ended: what is left is of streams never entered
-                    await self._prompt_hooks.keeper.aclose()
-                self._stage_group.stop()
-        if body_error is not None:
-            if self._stage_group.stop_error is not None and not self._stop_error_raised:
-                logger.error("while leaving on %r: %s", body_error, self._stage_group.stop_error)
-            raise body_error
-        self._raise_stop_error()
-
-    def _begin_close(self) -> None:
-        if self._state in ("closing", "closed"):
-            return
-        self._state = "closing"
-        self.orchestrator.close()
-        for scope in self._rpcs:
-            scope.cancel()
-
-    async def _rpcs_ended(self) -> None:
-        await trio.lowlevel.checkpoint()
-        while self._rpcs:
-            await next(iter(self._rpcs.values())).wait()
-
-    def _raise_stop_error(self) -> None:
-        self._state = "closed"
-        stop_error = self._stage_group.stop_error
-        if stop_error is not None and not self._stop_error_raised:
-            self._stop_error_raised = True
-            raise stop_error
+        return await self._session.exit(exc_type, exc, tb)
 
     async def aclose(self) -> None:
         """End the session: abort every request (each consumer gets its terminal), then stop
@@ -190,23 +85,9 @@ class Engine:
         finishes stopping everything). Idempotent. Raises :class:`StageStopError` (once)
         naming every replica whose stop failed or overran. Leaving the ``async with`` block
         calls it."""
-        self._begin_close()
-        with trio.CancelScope(shield=True):
-            await self.orchestrator.wait_idle()
-            await self._rpcs_ended()
-            self._stage_group.stop()
-            await self._stage_group.wait_stopped()
-        self._raise_stop_error()
+        await self._session.aclose()
 
     # -- requests ----------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._state != "open":
-            raise EngineClosedError(
-                "the engine is closed; it accepts no new work"
-                if self._state in ("closing", "closed")
-                else f"the engine is not open yet ({self._state}); use `async with open_engine()`"
-            )
-
     def generate(
         self,
         prompt: Prompt,
@@ -256,77 +137,21 @@ class Engine:
         ``await stream.send_input(segment)`` and end with ``await stream.end_input()``. The
         route must have one entry stage (else :class:`InvalidRequestError`).
         """
-        self._check_open()
-        plan = self._planner.plan(final_stage_id, output_stages, output_modalities)
-        params = resolve_sampling_params(self.config, sampling_params)
-        rid = request_id if request_id is not None else self.orchestrator.new_request_id()
-        if not isinstance(rid, str) or not rid:
-            raise InvalidRequestError("request_id must be a non-empty string")
-        check_request_options(priority, arrival_time, trace_headers, tokenization_kwargs)
-        if streaming_input:
-            self._check_streaming_input(plan)
-        artifacts = None
-        if self._prompt_hooks:
-            # after every other argument was checked (a refused call runs no hook), before the
-            # prompt is: the hooks may turn what the caller sent into a prompt (omni_trio.hooks)
-            prompt, first, artifacts = self._prompt_hooks.apply(prompt, rid, plan.active)
-        else:
-            first = prompt_to_input(prompt)
-        context = RequestContext(
-            rid,
+        self._session.check_open()
+        return self._requests.make(
             prompt,
-            params,
-            priority,
-            arrival_time,
-            lora_request,
-            trace_headers,
-            tokenization_kwargs,
-            bool(streaming_input),
-            artifacts,
+            request_id,
+            sampling_params,
+            final_stage_id,
+            output_stages,
+            priority=priority,
+            arrival_time=arrival_time,
+            lora_request=lora_request,
+            trace_headers=trace_headers,
+            tokenization_kwargs=tokenization_kwargs,
+            streaming_input=streaming_input,
+            output_modalities=output_modalities,
         )
-        try:
-            if self._expand_hooks:
-                context = self._with_companions(context, plan)
-        except InvalidRequestError:
-            if artifacts is not None:
-                artifacts.remove_nowait()
-            raise
-        if artifacts is not None:
-            self._prompt_hooks.keeper.watch(context)
-        return RequestStream(self.orchestrator, rid, first, plan, context)
-
-    def _with_companions(self, context: RequestContext, plan: RequestPlan) -> RequestContext:
-        # the route's entry stage with a prompt_expand hook makes the request's companions
-        stages = [sid for sid in plan.active if sid in self._expand_hooks]
-        if not stages:
-            return context
-        if len(stages) > 1:
-            raise InvalidRequestError(
-                f"companions come from one entry stage's prompt_expand; this route has "
-                f"{len(stages)} entry stages with one: {stages}"
-            )
-        (sid,) = stages
-        hook, name = self._expand_hooks[sid]
-        companions = expand_companions(
-            hook,
-            hook_name=name,
-            stage_id=sid,
-            request_id=context.request_id,
-            prompt=context.prompt,
-            sampling_params=context.sampling_params[sid],
-            to_input=prompt_to_input,
-        )
-        if not companions:
-            return context
-        return dataclasses.replace(context, companions=companions, companion_stage=sid)
-
-    def _check_streaming_input(self, plan: RequestPlan) -> None:
-        entries = [sid for sid in plan.active if not self.config.stage(sid).inputs]
-        if len(entries) != 1:
-            raise InvalidRequestError(
-                f"streaming_input needs a route with one entry stage; this one has "
-                f"{len(entries)}: {entries}"
-            )
 
     @overload
     async def abort(self, request_id: str) -> list[OmniOutput]: ...  # type: ignore[overload-overlap]
@@ -344,41 +169,17 @@ class Engine:
         ids give ``[]``; during and after close it is a no-op (``[]`` / ``{}``). Raises the
         request's :class:`StageError` (with ``exc.partial_outputs``) if a stage failed it.
         """
-        if self._state != "open":
+        if self._session.state != "open":
             await trio.lowlevel.checkpoint()
             return [] if isinstance(request_id, str) else {}
         if isinstance(request_id, str):
             return await self.orchestrator.abort(request_id)
-        ids = list(dict.fromkeys(request_id))
-        results: dict[str, list[OmniOutput]] = {}
-        errors: list[StageError] = []
-
-        async def abort_one(rid: str) -> None:
-            try:
-                results[rid] = await self.orchestrator.abort(rid)
-            except StageError as exc:
-                errors.append(exc)
-
-        await trio.lowlevel.checkpoint_if_cancelled()
-        with trio.CancelScope(shield=True):
-            # every abort is committed at once, and all of them are waited for
-            async with trio.open_nursery() as nursery:
-                for rid in ids:
-                    nursery.start_soon(abort_one, rid)
-            await trio.lowlevel.cancel_shielded_checkpoint()
-        if len(errors) == 1:
-            raise errors[0]
-        if errors:
-            raise StageError(
-                f"{len(errors)} of the aborted requests had failed: "
-                + "; ".join(f"{e.request_id}: {e}" for e in errors)
-            ) from ExceptionGroup("failed requests", errors)
-        return {rid: results[rid] for rid in ids}
+        return await abort_requests(self.orchestrator, request_id)
 
     def abort_nowait(self, request_id: str | Iterable[str]) -> None:
         """Request an abort and return at once (fire-and-forget). Synchronous; a no-op for
         unknown or ended ids, and during and after close."""
-        if self._state != "open":
+        if self._session.state != "open":
             return
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             self.orchestrator.abort_nowait(rid)
@@ -418,34 +219,17 @@ class Engine:
         every failing replica ``from ExceptionGroup`` of the causes; :class:`EngineClosedError`
         when the engine is closed, or closes while the call is pending.
         """
-        await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            self._check_open()
-            chosen = (
+        chosen = await self._session.checked(
+            lambda: (
                 list(self.pools)
                 if stage_ids is None
                 else [stage_ref(self.config, ref, "collective_rpc: stage") for ref in stage_ids]
             )
-        except (EngineClosedError, InvalidRequestError):
-            await trio.lowlevel.cancel_shielded_checkpoint()  # checkpoints on every path
-            raise
-        scope = trio.CancelScope()
-        ended = self._rpcs[scope] = trio.Event()
-        results: list[Payload] | None = None
-        try:
-            with scope:
-                results = await fan_out_rpc(
-                    [self.pools[sid] for sid in chosen], method, args, kwargs, timeout
-                )
-        finally:
-            del self._rpcs[scope]
-            ended.set()
-        if results is None:
-            # only close cancels this scope (the caller's own cancellation propagates)
-            raise EngineClosedError(
-                f"the engine closed while collective_rpc({method!r}) was pending"
-            )
-        return results
+        )
+        return await self._session.until_close(
+            lambda: fan_out_rpc([self.pools[sid] for sid in chosen], method, args, kwargs, timeout),
+            f"collective_rpc({method!r})",
+        )
 
     # -- admission -----------------------------------------------------------------------------
     async def pause(self) -> None:
@@ -458,13 +242,7 @@ class Engine:
         Always checkpoints; cancelled, nothing is paused. Raises :class:`EngineClosedError`
         when the engine is not open.
         """
-        await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            self._check_open()
-        except EngineClosedError:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            raise
-        self.orchestrator.admission.pause()
+        await self._session.checked(self.orchestrator.admission.pause)
         await trio.lowlevel.cancel_shielded_checkpoint()
 
     def resume(self) -> None:
@@ -476,13 +254,7 @@ class Engine:
     # -- membership ----------------------------------------------------------------------------
     async def _membership_stage(self, stage: str | int, what: str) -> str:
         # the checks of add/remove_replica: a schedule point on the refusal paths too
-        await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            self._check_open()
-            return stage_ref(self.config, stage, f"{what}: stage")
-        except (EngineClosedError, InvalidRequestError):
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            raise
+        return await self._session.checked(lambda: stage_ref(self.config, stage, f"{what}: stage"))
 
     async def add_replica(self, stage: str | int) -> int:
         """Start one more replica of ``stage`` (id or index); return its index once it is
@@ -525,7 +297,7 @@ class Engine:
     @property
     def closed(self) -> bool:
         """True from the moment the session starts closing."""
-        return self._state in ("closing", "closed")
+        return self._session.closed
 
     @property
     def stage_ids(self) -> list[str]:
@@ -575,7 +347,7 @@ class Engine:
     def __repr__(self) -> str:
         stages = repr(self._stage_group)
         return (
-            f"<Engine {self.config.name!r} {self._state} "
+            f"<Engine {self.config.name!r} {self._session.state} "
             f"in_flight={self.orchestrator.requests_in_flight} "
             f"stages=[{stages}]>"
         )
