@@ -1,12 +1,12 @@
-"""The pure helpers of benchmarks/bench_vllm_pipeline.py: cell planning, layouts, the pipeline
-config, and how per-pass results become ratios, spreads and the summary (no vLLM here)."""
+"""The pure helpers of benchmarks/bench_vllm_pipeline.py and its _vllm_pipeline_* modules: cell
+planning, layouts, the pipeline config, the stop breakdown, and how per-pass results become
+ratios, spreads and the summary (no vLLM here)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -15,23 +15,16 @@ from omni_trio.stages._vllm_protocol import CPU_ENGINE_DEFAULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 
-
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "bench_vllm_pipeline", ROOT / "benchmarks" / "bench_vllm_pipeline.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
+# the benchmark is a script with sibling modules, not a package: import them from its directory
+sys.path.insert(0, str(ROOT / "benchmarks"))
+bench = importlib.import_module("bench_vllm_pipeline")
+pipeline_cells = importlib.import_module("_vllm_pipeline_cells")
+procs = importlib.import_module("_vllm_pipeline_procs")
+summary = importlib.import_module("_vllm_pipeline_summary")
 
 
 def test_plan_runs_pairs_systems_per_cell_and_alternates_who_goes_first() -> None:
-    runs = bench.plan_runs(2, [1, 3], ["core0", "spread"], ["hand", "omni"])
+    runs = pipeline_cells.plan_runs(2, [1, 3], ["core0", "spread"], ["hand", "omni"])
     assert len(runs) == 2 * 2 * 2 * 2
     cells = [(r.pass_index, r.n_stages, r.layout) for r in runs]
     # the two systems of a cell run back to back
@@ -49,14 +42,14 @@ def test_plan_runs_pairs_systems_per_cell_and_alternates_who_goes_first() -> Non
 
 
 def test_layouts_bind_every_engine_to_core0_or_one_core_per_stage() -> None:
-    assert [bench.bind_for("core0", k) for k in range(3)] == ["0", "0", "0"]
-    assert [bench.bind_for("spread", k) for k in range(3)] == ["0", "1", "0"]
+    assert [pipeline_cells.bind_for("core0", k) for k in range(3)] == ["0", "0", "0"]
+    assert [pipeline_cells.bind_for("spread", k) for k in range(3)] == ["0", "1", "0"]
     with pytest.raises(ValueError, match="layout must be one of"):
-        bench.bind_for("numa", 0)
+        pipeline_cells.bind_for("numa", 0)
 
 
 def test_omni_config_chains_token_stages_with_only_the_last_as_output() -> None:
-    cfg = bench.omni_config(3, "spread", tokens=16, requests=64)
+    cfg = pipeline_cells.omni_config(3, "spread", tokens=16, requests=64)
     stages = cfg["stages"]
     assert [s["id"] for s in stages] == ["stage1", "stage2", "stage3"]
     assert [s.get("inputs") for s in stages] == [None, ["stage1"], ["stage2"]]
@@ -89,14 +82,14 @@ def test_cell_reports_median_ratio_spread_and_cpu_skipping_failed_passes() -> No
         {"hand": {"error": "exit 1 without a result"}, "omni": _result(80, 4.0)},
         {"hand": _result(50, 1.0), "omni": _result(55, 1.0)},
     ]
-    cell = bench.summarize_cell(2, "spread", passes, ["hand", "omni"])
+    cell = summary.summarize_cell(2, "spread", passes, ["hand", "omni"])
     assert cell["ratio"] == {"median": 0.9, "min": 0.5, "max": 1.1}
     assert cell["cpu_ratio"]["median"] == pytest.approx(1.5)
     assert cell["requests_per_s"]["hand"] == [100, 100, None, 50]
     assert cell["cpu_ms_per_request_stage_median"] == {"hand": 2.0, "omni": 3.5}
     assert cell["errors"] == {"hand": ["exit 1 without a result"], "omni": []}
     assert [r["pass"] for r in cell["leftover"]["omni"]] == [1]
-    row = bench.summary_row(cell)
+    row = summary.summary_row(cell)
     assert row == {
         "ratio": 0.9,
         "spread": [0.5, 1.1],
@@ -115,15 +108,15 @@ def test_cell_reports_median_ratio_spread_and_cpu_skipping_failed_passes() -> No
 
 
 def test_one_system_only_has_no_ratio() -> None:
-    cell = bench.summarize_cell(1, "core0", [{"omni": _result(90, 3.0)}], ["omni"])
+    cell = summary.summarize_cell(1, "core0", [{"omni": _result(90, 3.0)}], ["omni"])
     assert cell["ratio"] is None
-    assert bench.summary_row(cell)["spread"] is None
+    assert summary.summary_row(cell)["spread"] is None
 
 
 def test_throughput_and_cpu_per_request_stage() -> None:
-    assert bench.batch_throughput([0.5, 0.25, 1.0], 64) == {"best": 256.0, "median": 128.0}
+    assert summary.batch_throughput([0.5, 0.25, 1.0], 64) == {"best": 256.0, "median": 128.0}
     # 0.96 s of CPU over 64 requests x 3 batches x 2 stages
-    assert bench.cpu_ms_per_request_stage(0.96, 64, 3, 2) == pytest.approx(2.5)
+    assert summary.cpu_ms_per_request_stage(0.96, 64, 3, 2) == pytest.approx(2.5)
 
 
 def test_cli_rejects_an_unknown_layout_or_stage_count() -> None:
@@ -141,12 +134,12 @@ def test_stop_breakdown_times_each_engine_from_its_own_begin_to_its_last_process
     phases = [("begin", (10,), 100.1), ("begin", (20,), 100.2), ("end", (10,), 101.45)]
     phases.append(("end", (20,), 101.95))
     exited = {11: 100.9, 10: 101.4, 21: 101.8, 20: 101.9}
-    stops = bench.engine_stops(groups, phases, exited)
+    stops = procs.engine_stops(groups, phases, exited)
     assert [(s["core_pid"], s["processes"], s["gone"]) for s in stops] == [
         (10, 2, 101.4),
         (20, 2, 101.9),
     ]
-    report = bench.stop_breakdown(100.0, 102.5, stops)
+    report = procs.stop_breakdown(100.0, 102.5, stops)
     a, b = report["engines"]
     assert a["began"] == pytest.approx(0.1) and a["own_stop"] == pytest.approx(1.3)
     assert a["call"] == pytest.approx(1.35) and a["gone"] == pytest.approx(1.4)
@@ -161,29 +154,29 @@ def test_stop_breakdown_times_each_engine_from_its_own_begin_to_its_last_process
 def test_stop_breakdown_leaves_out_what_it_cannot_know() -> None:
     # the stop of core 20 was never logged, and its worker was never seen to exit
     groups = {10: [10, 11], 20: [20, 21]}
-    stops = bench.engine_stops(groups, [("begin", (10,), 1.0)], {10: 2.0, 11: 1.5, 20: 2.1})
-    report = bench.stop_breakdown(0.5, 3.0, stops)
+    stops = procs.engine_stops(groups, [("begin", (10,), 1.0)], {10: 2.0, 11: 1.5, 20: 2.1})
+    report = procs.stop_breakdown(0.5, 3.0, stops)
     assert [e["own_stop"] for e in report["engines"]] == [pytest.approx(1.0), None]
     assert report["slowest_own_stop"] is None and report["gap"] is None
     assert report["before_first_stop"] is None and report["after_last_gone"] is None
-    assert bench.stop_breakdown(0.0, 1.0, [])["gap"] is None  # no engine at all
+    assert procs.stop_breakdown(0.0, 1.0, [])["gap"] is None  # no engine at all
 
 
 def test_idle_cpu_is_the_difference_of_two_snapshots() -> None:
     before = {"frontend": 1.0, "engines": {10: 5.0, 20: 7.0}}
     after = {"frontend": 1.002, "engines": {10: 5.5, 20: 7.0}}
-    idle = bench.idle_cpu(before, after, 10.0)
+    idle = procs.idle_cpu(before, after, 10.0)
     assert idle["seconds"] == 10.0
     assert idle["frontend_cpu_s"] == pytest.approx(0.002)
     assert idle["engines_cpu_s"] == {"10": pytest.approx(0.5), "20": 0.0}
     # a cell: the median over passes of the frontend's and of all engines' idle CPU
-    cell = bench.summarize_cell(
+    cell = summary.summarize_cell(
         2,
         "core0",
         [{"omni": {**_result(90, 3.0), "idle": i}} for i in (idle, idle, None)],
         ["omni"],
     )
-    assert bench.summary_row(cell)["idle_cpu_s"] == {
+    assert summary.summary_row(cell)["idle_cpu_s"] == {
         "omni": {"seconds": 10.0, "frontend": pytest.approx(0.002), "engines": pytest.approx(0.5)}
     }
 
@@ -199,9 +192,9 @@ def test_cell_reports_median_stop_gap_and_slowest_own_stop() -> None:
         {"omni": _stop_result(0.3, 2.5)},
         {"omni": _stop_result(None, None)},
     ]
-    cell = bench.summarize_cell(2, "core0", passes, ["omni"])
+    cell = summary.summarize_cell(2, "core0", passes, ["omni"])
     assert [s["gap"] for s in cell["stop"]["omni"]] == [0.1, 0.3, None]
-    row = bench.summary_row(cell)
+    row = summary.summary_row(cell)
     assert row["stop_gap_s"] == {"omni": pytest.approx(0.2)}
     assert row["slowest_own_stop_s"] == {"omni": pytest.approx(2.0)}
 
@@ -214,7 +207,7 @@ def test_exit_watch_sees_a_process_exit_when_it_happens() -> None:
     short = subprocess.Popen(["sleep", "0.2"])
     long = subprocess.Popen(["sleep", "30"])
     t0 = time.monotonic()
-    watch = bench.ExitWatch([short.pid, long.pid])
+    watch = procs.ExitWatch([short.pid, long.pid])
     short.wait()  # reaped: the exit was still seen
     t_reaped = time.monotonic()
     try:

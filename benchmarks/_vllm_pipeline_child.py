@@ -1,0 +1,215 @@
+"""The subprocess of one ``bench_vllm_pipeline.py`` run: one system on one cell. ``hand``
+drives one vLLM ``AsyncLLM`` per stage from plain asyncio; ``omni`` runs the same pipeline
+through ``omni_trio.open_engine``. Both time the same batches (:func:`run_batches`) and report
+the same fields (:func:`child_result`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from _vllm_pipeline_cells import PROMPTS, bind_for, engine_args, omni_config, stage_models
+from _vllm_pipeline_procs import (
+    LEFTOVER_GRACE_S,
+    ExitWatch,
+    descendants,
+    engine_groups,
+    engine_stops,
+    measure_idle,
+    still_there,
+    stop_breakdown,
+    stop_log,
+)
+from _vllm_pipeline_summary import batch_throughput, cpu_ms_per_request_stage
+
+
+def child_main(a: argparse.Namespace) -> None:
+    """The subprocess: run ``a.child`` (``hand`` or ``omni``) and print its result as one
+    ``RESULT {json}`` line on stdout (on failure the error and what is still there, then
+    re-raise)."""
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    try:
+        result = (run_hand if a.child == "hand" else run_omni)(a)
+    except Exception as exc:
+        # the engines are closed by now: what is still there was left by the failed run
+        error = {"error": f"{type(exc).__name__}: {exc}", "children": descendants()}
+        print("RESULT " + json.dumps(error), flush=True)
+        raise
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+async def run_batches(
+    batch: Callable[[str], Awaitable[list[int]]], requests: int, tokens: int, batches: int
+) -> dict[str, Any]:
+    """A warm-up batch, then ``batches`` timed ones; wall times, CPU time of this process over
+    the timed batches, and whether every request got all its last-stage tokens. Awaits
+    ``batch`` only, so it runs on asyncio and on trio alike."""
+    counts = await batch("warm")
+    ok = counts == [tokens] * requests
+    walls = []
+    cpu0 = time.process_time()
+    for b in range(batches):
+        t0 = time.perf_counter()
+        counts = await batch(f"b{b}")
+        walls.append(time.perf_counter() - t0)
+        ok = ok and counts == [tokens] * requests
+    return {"walls": walls, "cpu_s": time.process_time() - cpu0, "tokens_ok": ok}
+
+
+def child_result(
+    timing: dict[str, Any],
+    init_s: float,
+    shutdown_s: float,
+    procs: list[list[Any]],
+    a: argparse.Namespace,
+    stop: dict[str, Any],
+    idle: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "batch_walls_s": timing["walls"],
+        "requests_per_s": batch_throughput(timing["walls"], a.requests),
+        "cpu_s": timing["cpu_s"],
+        "cpu_ms_per_request_stage": cpu_ms_per_request_stage(
+            timing["cpu_s"], a.requests, a.batches, a.child_stages
+        ),
+        "tokens_ok": timing["tokens_ok"],
+        "init_s": init_s,
+        "shutdown_s": shutdown_s,
+        "children": procs,
+        "after_close": still_there(procs),
+        "stop": stop,
+        "idle": idle,
+    }
+
+
+def run_hand(a: argparse.Namespace) -> dict[str, Any]:
+    import asyncio
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.renderers.inputs.preprocess import parse_model_prompt
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from omni_trio.models import resolve_model
+
+    def params(kind: RequestOutputKind) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=a.tokens, temperature=0.0, ignore_eos=True, output_kind=kind
+        )
+
+    inner, last = params(RequestOutputKind.FINAL_ONLY), params(RequestOutputKind.DELTA)
+
+    def build(model: str, bind: str) -> Any:
+        args = {**engine_args(model), "model": resolve_model(model)}
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind  # inherited by this engine's core only
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+
+    def render(engine: Any, raw: Any) -> Any:
+        parsed = parse_model_prompt(engine.model_config, raw)
+        (rendered,) = engine.renderer.render_cmpl([parsed], engine.renderer.default_cmpl_tok_params)
+        return rendered
+
+    async def one(engines: list[Any], i: int, tag: str) -> int:
+        prompt: Any = PROMPTS[i]
+        for k, engine in enumerate(engines[:-1]):
+            final = None
+            async for out in engine.generate(render(engine, prompt), inner, f"{tag}-{i}-{k}"):
+                final = out
+            assert final is not None, "a FINAL_ONLY request ended without output"
+            prompt = {"prompt_token_ids": list(final.outputs[0].token_ids)}
+        got = 0
+        engine = engines[-1]
+        rid = f"{tag}-{i}-{len(engines) - 1}"
+        async for out in engine.generate(render(engine, prompt), last, rid):
+            got += len(out.outputs[0].token_ids)
+        return got
+
+    async def main() -> dict[str, Any]:
+        engines: list[Any] = []
+        idle = None
+        t0 = time.perf_counter()
+        try:
+            for k, model in enumerate(stage_models(a.child_stages)):
+                engines.append(build(model, bind_for(a.child_layout, k)))
+            init_s = time.perf_counter() - t0
+
+            async def batch(tag: str) -> list[int]:
+                async with asyncio.TaskGroup() as tg:
+                    tasks = [tg.create_task(one(engines, i, tag)) for i in range(a.requests)]
+                return [t.result() for t in tasks]
+
+            timing = await run_batches(batch, a.requests, a.tokens, a.batches)
+            if a.idle_s > 0:
+                idle = await measure_idle(engine_groups(), asyncio.sleep, a.idle_s)
+            procs = descendants()
+        finally:
+            groups = engine_groups()
+            watch = ExitWatch([pid for group in groups.values() for pid in group])
+            phases: list[tuple[str, tuple[int, ...], float]] = []
+            t_close, m_close = time.perf_counter(), time.monotonic()
+            for engine in engines:
+                manager = engine.engine_core.resources.engine_manager
+                cores = tuple(p.pid for p in manager.processes)
+                phases.append(("begin", cores, time.monotonic()))
+                engine.shutdown()
+                phases.append(("end", cores, time.monotonic()))
+            shutdown_s = time.perf_counter() - t_close
+            m_closed = time.monotonic()
+            # vLLM's own stop may leave the worker of a killed EngineCore behind: its exit
+            # still ends the engine's own stop (not part of close, which has returned)
+            stops = engine_stops(groups, phases, watch.close(wait=LEFTOVER_GRACE_S))
+        stop = stop_breakdown(m_close, m_closed, stops)
+        return child_result(timing, init_s, shutdown_s, procs, a, stop, idle)
+
+    return asyncio.run(main())
+
+
+def run_omni(a: argparse.Namespace) -> dict[str, Any]:
+    import trio
+    import vllm.v1.engine.async_llm  # noqa: F401 (imported before the clock starts, as in run_hand)
+
+    import omni_trio
+
+    config = omni_config(a.child_stages, a.child_layout, a.tokens, a.requests)
+    last = config["stages"][-1]["id"]
+
+    async def batch(engine: omni_trio.Engine, tag: str) -> list[int]:
+        counts = [0] * a.requests
+
+        async def one(i: int) -> None:
+            stream = engine.generate(PROMPTS[i], request_id=f"{tag}-{i}", output_stages=[last])
+            async with stream:
+                async for out in stream:
+                    counts[i] += len(out.token_ids)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(a.requests):
+                nursery.start_soon(one, i)
+        return counts
+
+    async def main() -> dict[str, Any]:
+        idle = None
+        t0 = time.perf_counter()
+        with stop_log() as log:
+            async with omni_trio.open_engine(config) as engine:
+                init_s = time.perf_counter() - t0
+                timing = await run_batches(
+                    lambda tag: batch(engine, tag), a.requests, a.tokens, a.batches
+                )
+                groups = engine_groups()
+                if a.idle_s > 0:
+                    idle = await measure_idle(groups, trio.sleep, a.idle_s)
+                procs = descendants()
+                watch = ExitWatch([pid for group in groups.values() for pid in group])
+                t_close, m_close = time.perf_counter(), time.monotonic()
+            shutdown_s = time.perf_counter() - t_close
+            m_closed = time.monotonic()
+        stops = engine_stops(groups, log.phases, watch.close(wait=LEFTOVER_GRACE_S))
+        stop = stop_breakdown(m_close, m_closed, stops)
+        return child_result(timing, init_s, shutdown_s, procs, a, stop, idle)
+
+    return trio.run(main)
