@@ -11,11 +11,7 @@ from typing import Any
 from omni_trio.stages._vllm_protocol import CPU_ENGINE_DEFAULTS
 
 PROMPTS = [f"request {i}: the tiny omni model sings a song about the river" for i in range(997)]
-
-
 LAYOUTS = ("core0", "spread")
-
-
 SYSTEMS = ("hand", "omni")
 
 

@@ -18,11 +18,9 @@ import psutil
 #: how long the parent watches leftover processes go away after a subprocess exited
 LEFTOVER_GRACE_S = 5.0
 
-
 #: idle CPU is measured from this long after the last batch: vLLM's shared-memory readers
 #: (EngineCore and worker) busy-poll their queue for 1 s after their last read
 IDLE_SETTLE_S = 2.0
-
 
 #: the logger whose debug records mark where each omni-trio engine's stop begins and ends
 STOP_LOGGER = "omni_trio.stages._vllm_process"
