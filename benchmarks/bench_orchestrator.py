@@ -49,6 +49,7 @@ from omni_trio.config import load_config
 from omni_trio.outputs import StageInput, StageOutput
 from omni_trio.stages import StageBackend
 from omni_trio.stages._abc import Emit, InputStream
+from omni_trio.stages._emit import EmitNowait, nowait_of
 from omni_trio.stages.scripted import ScriptedBackend
 
 # (stage_id, request_id) -> perf_counter of the finished output / of the input's arrival
@@ -201,35 +202,70 @@ async def run_floor(n_stages: int, concurrency: int, outputs: int) -> dict[str, 
 # -- the fake engine shape: a batching engine with fixed-time steps --------------------------
 class _Sequence:
     """One request inside a FakeEngine: its pending tokens and whoever waits for them (the
-    engine's own per-request output collector, as vLLM's)."""
+    engine's own per-request output collector, as vLLM's). ``fast`` is the request's
+    ``emit.nowait`` (omni-trio's side only): while the reader waits with nothing pending, an
+    engine step hands it an unfinished output directly, as a vllm replica's demultiplexer
+    does, instead of waking the reader."""
 
-    __slots__ = ("cancelled", "done", "final_only", "index", "lot", "pending", "prompt", "tokens")
+    __slots__ = (
+        "cancelled",
+        "done",
+        "fast",
+        "final_only",
+        "index",
+        "pending",
+        "prompt",
+        "tokens",
+        "waiter",
+    )
 
-    def __init__(self, prompt: list[int], tokens: int, final_only: bool) -> None:
+    def __init__(
+        self, prompt: list[int], tokens: int, final_only: bool, fast: EmitNowait | None
+    ) -> None:
         self.prompt = prompt or [0]
         self.tokens = tokens
         self.index = 0
         self.final_only = final_only
+        self.fast = fast
         self.pending: list[int] = []
         self.done = False
         self.cancelled = False
-        self.lot = trio.lowlevel.ParkingLot()
+        self.waiter: trio.lowlevel.Task | None = None
 
     def step(self) -> None:
         # one token per engine step; a final-only request wakes its reader at the end only
-        self.pending.append(self.prompt[self.index % len(self.prompt)] + 1)
+        token = self.prompt[self.index % len(self.prompt)] + 1
         self.index += 1
         self.done = self.index == self.tokens
-        if (self.done or not self.final_only) and self.lot:
-            self.lot.unpark()
+        waiter = self.waiter
+        if waiter is not None and not self.done and not self.final_only:
+            fast = self.fast
+            if fast is not None and fast(StageOutput(token_ids=(token,))):
+                return
+        self.pending.append(token)
+        if (self.done or not self.final_only) and waiter is not None:
+            self.waiter = None
+            trio.lowlevel.reschedule(waiter)
 
     async def receive(self) -> tuple[tuple[int, ...], bool]:
         """The tokens produced since the last call and whether the request finished. Waits
-        only when nothing is pending (like vLLM's output collector)."""
+        only when nothing is pending (like vLLM's output collector). Always checkpoints."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        waited = False
         while not self.pending or (self.final_only and not self.done):
-            await self.lot.park()
+            self.waiter = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
+            waited = True
+        if not waited:
+            await trio.lowlevel.cancel_shielded_checkpoint()
         delta, self.pending = tuple(self.pending), []
         return delta, self.done
+
+    def _abort_wait(self, _: Any) -> trio.lowlevel.Abort:
+        # a cancelled reader: nothing takes the fast path any more
+        self.waiter = None
+        self.fast = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
 
 class FakeEngine:
@@ -245,8 +281,10 @@ class FakeEngine:
         self._work = trio.lowlevel.ParkingLot()
         self.steps = 0
 
-    def add(self, prompt: list[int], *, final_only: bool = False) -> _Sequence:
-        seq = _Sequence(prompt, self.tokens, final_only)
+    def add(
+        self, prompt: list[int], *, final_only: bool = False, fast: EmitNowait | None = None
+    ) -> _Sequence:
+        seq = _Sequence(prompt, self.tokens, final_only, fast)
         self._waiting.append(seq)
         if self._work:
             self._work.unpark()
@@ -296,11 +334,13 @@ class FakeEngineBackend(StageBackend):
             if chunk.final:
                 break
         INPUT_AT[key] = time.perf_counter()
-        seq = self.engine.add(prompt, final_only=not self.outputs_streamed(request_id))
+        streamed = self.outputs_streamed(request_id)
+        seq = self.engine.add(prompt, final_only=not streamed, fast=nowait_of(emit))
         try:
             while True:
                 delta, done = await seq.receive()
                 if done:
+                    seq.fast = None
                     FINISHED_AT[key] = time.perf_counter()
                     await emit(StageOutput(token_ids=delta, finished=True, finish_reason="length"))
                     return
