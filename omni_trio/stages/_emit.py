@@ -69,5 +69,9 @@ class Emitter(functools.partial[Awaitable[None]]):
 
 
 def nowait_of(emit: Emit) -> EmitNowait | None:
-    """``emit``'s fast path, or ``None`` if it has none (a plain async function). Pure."""
-    return emit.nowait if isinstance(emit, Emitter) else None
+    """``emit``'s fast path, or ``None`` if it has none (a plain async function, or an
+    :class:`Emitter` whose ``nowait`` is :func:`never`). Pure."""
+    if not isinstance(emit, Emitter):
+        return None
+    nowait = emit.nowait
+    return None if nowait is never else nowait

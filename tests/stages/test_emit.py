@@ -43,7 +43,9 @@ async def test_an_emitter_awaits_its_emit_and_plain_emits_have_no_fast_path():
     plain = Emitter(emit)
     await plain(out(1))
     assert got == [out(1)] and plain.nowait(out(2)) is False and got == [out(1)]
-    assert nowait_of(emit) is None and nowait_of(plain) is never and never(out(3)) is False
+    assert nowait_of(emit) is None and nowait_of(plain) is None and never(out(3)) is False
+    fast = Emitter(emit, lambda o: True)
+    assert nowait_of(fast) is fast.nowait and fast.nowait(out(3))
     assert "Emitter" in repr(plain)
 
 
