@@ -4,21 +4,9 @@ A backend is started with ``await nursery.start(backend.serve)``: ``serve`` does
 start-up the backend needs, calls ``task_status.started()`` when it can take requests, then
 runs until cancelled (which is how it is shut down) or until the replica dies.
 
-Requests run as ``await backend.run_request(request_id, inputs, sampling_params, emit)``:
-``inputs`` is a receive channel of :class:`~omni_trio.outputs.StageInput` chunks (one chunk
-unless the stage has ``stream_input``), and the backend calls ``await emit(output)`` for each
-:class:`~omni_trio.outputs.StageOutput` delta, the last one with ``finished=True`` and none
-after it. ``emit`` may block: that is backpressure, and the backend must let it. Cancelling
-the task that runs ``run_request`` aborts the request in the backend before it returns. The
-``emit`` given to ``_run`` is an :class:`~._emit.Emitter`: ``emit.nowait(output)`` delivers
-an output synchronously when nothing would wait and returns whether it did (a backend that
-receives many requests' outputs in one task uses it to skip waking each request's task; see
-:mod:`._emit` for the rules that keep the order and the cancellation).
-
-Interactions (``engine.interact`` / ``stream.interact``) reach the replica running a request
-on its entry stage as ``await backend.interact(request_id, payload)``, which calls the
-backend's ``_interact`` hook in the caller's task (default: the backend takes none,
-:class:`~omni_trio.errors.InvalidRequestError` naming the stage).
+Requests, aborts and interactions run through :mod:`._request_table` (the contract of
+``run_request``, ``emit`` and ``interact`` is in its docstring); collective RPCs through
+:mod:`._rpc_calls`.
 
 Subclasses implement ``_start``, ``_run`` and optionally ``_serve_forever``, ``_stop``,
 ``_rpc``, ``_interact``; this base class gives every backend the same bookkeeping: the replica's
@@ -37,26 +25,20 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..errors import (
-    InvalidRequestError,
-    NoLiveReplicaError,
-    OmniTrioError,
-    ReplicaDeadError,
-    StageError,
-    StageRPCError,
-    StageStopError,
-)
-from ..outputs import (
-    Payload,
-    ReplicaState,
-    ReplicaStatistics,
-    SamplingParams,
-    StageInput,
-    StageOutput,
-)
-from ._emit import Emit, Emitter
-from ._requests import RunningRequest, request_outcome
-from ._watch import _watches, notify_run
+from ..errors import InvalidRequestError, ReplicaDeadError, StageRPCError, StageStopError
+from ..outputs import Payload, ReplicaState, ReplicaStatistics, SamplingParams, StageOutput
+from ._emit import Emit as Emit
+from ._emit import Emitter as Emitter
+from ._inputs import InputStream as InputStream
+from ._inputs import collect_input as collect_input
+from ._inputs import merge_inputs as merge_inputs
+from ._replica import DEFAULT_SHUTDOWN_TIMEOUT as DEFAULT_SHUTDOWN_TIMEOUT
+from ._replica import ReplicaView, unavailable_error
+from ._replica import is_cancellation as is_cancellation
+from ._replica import no_live_replica as no_live_replica
+from ._request_table import RequestTable
+from ._request_table import StageAborted as StageAborted
+from ._rpc_calls import RpcCalls
 
 if TYPE_CHECKING:
     from ..config import StageConfig
@@ -74,57 +56,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: seconds a replica's stop may take when neither the stage nor the pipeline sets one
-#: (the default of ``PipelineConfig.shutdown_timeout``)
-DEFAULT_SHUTDOWN_TIMEOUT = 30.0
-
-
-class StageAborted(OmniTrioError):
-    """Raised by ``run_request`` when the request was aborted through ``abort()``."""
-
-
-#: a stage's input chunks (a memory channel, or the orchestrator's one-chunk WholeInput)
-InputStream = trio.abc.ReceiveChannel[StageInput]
-
-
-async def collect_input(inputs: InputStream) -> StageInput:
-    """Merge every chunk of a (possibly streamed) input into one final ``StageInput``.
-
-    For backends that cannot start on partial input. Checkpoints; returns when the
-    upstream sends its final chunk or closes.
-    """
-    chunks: list[StageInput] = []
-    async for chunk in inputs:
-        chunks.append(chunk)
-        if chunk.final:
-            break
-    return merge_inputs(chunks)
-
-
-def merge_inputs(chunks: Sequence[StageInput]) -> StageInput:
-    """Several input chunks as one final ``StageInput``: texts and token ids concatenated,
-    data payloads listed (one alone stays itself), the last source. Pure."""
-    prompt: str | None = None
-    tokens: list[int] = []
-    datas: list[object] = []
-    source: str | None = None
-    for chunk in chunks:
-        if chunk.prompt is not None:
-            prompt = (prompt or "") + chunk.prompt
-        tokens.extend(chunk.token_ids)
-        if chunk.data is not None:
-            datas.append(chunk.data)
-        source = chunk.source or source
-    data: object = None if not datas else datas[0] if len(datas) == 1 else datas
-    return StageInput(prompt=prompt, token_ids=tuple(tokens), data=data, final=True, source=source)
-
-
-def is_cancellation(exc: BaseException) -> bool:
-    """Whether ``exc`` is a ``trio.Cancelled``, or a group of nothing else. Pure."""
-    if isinstance(exc, BaseExceptionGroup):
-        return exc.split(trio.Cancelled)[1] is None
-    return isinstance(exc, trio.Cancelled)
 
 
 class StageBackend(abc.ABC):
@@ -145,8 +76,15 @@ class StageBackend(abc.ABC):
             if config.shutdown_timeout is None
             else float(config.shutdown_timeout)
         )
-        self._running: dict[str, RunningRequest] = {}
-        self._rpcs: set[trio.CancelScope] = set()
+        view = ReplicaView(
+            self.stage_id,
+            self.name,
+            alive=lambda: self.alive,
+            death=lambda: self._death,
+            unavailable=self._unavailable_error,
+        )
+        self._requests = RequestTable(view)
+        self._rpcs = RpcCalls(view)
         # cancelled by _die: ends _serve_forever so a dead replica is stopped at once
         self._serve_scope = trio.CancelScope()
         # the three facts ``state`` derives from (subclasses may read them)
@@ -154,9 +92,6 @@ class StageBackend(abc.ABC):
         self._stopped = False  # stopping began (shutdown, failed start or death)
         self._death: BaseException | None = None
         self._stop_failure: BaseException | None = None
-        self._n_finished = 0
-        self._n_aborted = 0
-        self._n_failed = 0
         #: start-up phases -> time.perf_counter() (``start``, backend phases, ``ready``)
         self.timeline: dict[str, float] = {}
 
@@ -293,10 +228,8 @@ class StageBackend(abc.ABC):
         self._serve_scope.cancel()
 
     def _cancel_work(self) -> None:
-        for running in self._running.values():
-            running.cancel()
-        for scope in self._rpcs:
-            scope.cancel()
+        self._requests.cancel_all()
+        self._rpcs.cancel_all()
 
     async def _shutdown(self) -> None:
         # Cancels what is bound to the replica, then stops it shielded and bounded; a stop
@@ -352,87 +285,21 @@ class StageBackend(abc.ABC):
         request-scoped failures (or one naming the replica if the backend emitted after the
         finished output), :class:`InvalidRequestError` for input the backend rejects.
         """
-        await trio.lowlevel.checkpoint_if_cancelled()
-        if not self.alive or request_id in self._running:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            if not self.alive:
-                raise self._unavailable_error(request_id)
-            raise StageError(
-                f"request {request_id!r} is already running on {self.name}",
-                stage_id=self.stage_id,
-                request_id=request_id,
-            )
-        running = RunningRequest(
-            request_id, self.stage_id, self.name, streamed=streamed, context=context
-        )
-        self._running[request_id] = running
-        if _watches:  # someone waits for this request to run here (an interaction)
-            notify_run(context, self.stage_id, request_id, "started")
-        error: Exception | None = None
-        try:
-            with running.scope:
-                await self._run(request_id, inputs, sampling_params, running.emitter(emit))
-        except Exception as exc:
-            error = exc
-        except BaseException:
-            # the caller was cancelled (our own scope catches its own cancellation)
-            if running.finished:
-                self._n_finished += 1
-            else:
-                self._n_aborted += 1
-            raise
-        finally:
-            running.end()
-            del self._running[request_id]
-            if _watches:
-                notify_run(context, self.stage_id, request_id, "ended")
-        self._end_request(request_id, running, error)
 
-    def _end_request(
-        self, request_id: str, running: RunningRequest, error: Exception | None
-    ) -> None:
-        if error is None and running.finished and running.violation is None:
-            self._n_finished += 1  # the usual end, decided without the general rule
-            return
-        outcome = request_outcome(
-            violated=running.violation is not None,
-            failed=error is not None,
-            cancelled=running.scope.cancelled_caught,
-            finished=running.finished,
-            dead=self._death is not None,
-        )
-        if outcome == "finished":
-            self._n_finished += 1
-            return
-        if outcome == "aborted":
-            # cancelled through abort() (or by shutdown): the pool tells the orchestrator
-            self._n_aborted += 1
-            raise StageAborted(f"request {request_id!r} was aborted on {self.name}")
-        self._n_failed += 1
-        if outcome == "violation":
-            assert running.violation is not None
-            raise running.violation from (error if error is not running.violation else None)
-        if outcome == "dead":
-            raise self._unavailable_error(request_id) from self._death
-        assert error is not None
-        if isinstance(error, (StageError, InvalidRequestError)):
-            # request-scoped and already typed: bad input stays an InvalidRequestError
-            raise error
-        raise StageError(
-            f"stage {self.name} failed request {request_id!r}: {type(error).__name__}: {error}",
-            stage_id=self.stage_id,
-            request_id=request_id,
-        ) from error
+        async def run(emitter: Emitter) -> None:
+            await self._run(request_id, inputs, sampling_params, emitter)
+
+        await self._requests.run(request_id, run, emit, streamed=streamed, context=context)
 
     def request_context(self, request_id: str) -> RequestContext | None:
         """The context ``request_id`` was run with here (original prompt, every stage's
         sampling params, per-request options), or ``None``. Synchronous."""
-        running = self._running.get(request_id)
+        running = self._requests.get(request_id)
         return None if running is None else running.context
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is running on this replica now. Synchronous."""
-        return request_id in self._running
+        return request_id in self._requests
 
     async def interact(self, request_id: str, payload: Payload) -> bool:
         """Deliver an interaction (a control payload) to a request running on this replica.
@@ -445,29 +312,7 @@ class StageBackend(abc.ABC):
         naming the stage if this backend takes no interactions (or rejects the payload), a
         :class:`StageError` naming the replica if the hook failed otherwise.
         """
-        await trio.lowlevel.checkpoint_if_cancelled()
-        running = self._running.get(request_id)
-        if running is None or running.finished:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return False
-        try:
-            await self._interact(request_id, payload)
-        except trio.Cancelled:
-            raise
-        except (InvalidRequestError, StageError):
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            raise
-        except Exception as exc:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            raise StageError(
-                f"replica {self.name} failed an interaction with request {request_id!r}: "
-                f"{type(exc).__name__}: {exc}",
-                stage_id=self.stage_id,
-                request_id=request_id,
-            ) from exc
-        # accepted: a schedule point that a cancellation cannot turn into a lost delivery
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        return True
+        return await self._requests.interact(request_id, payload, self._interact)
 
     async def _interact(self, request_id: str, payload: Payload) -> None:
         """Accept an interaction for a request running here (:meth:`interact` checked that it
@@ -481,7 +326,7 @@ class StageBackend(abc.ABC):
     def outputs_streamed(self, request_id: str) -> bool:
         """Whether ``request_id``'s outputs on this replica are needed as they come (see
         :meth:`run_request`); ``True`` for an unknown request. Synchronous."""
-        running = self._running.get(request_id)
+        running = self._requests.get(request_id)
         return running is None or running.streamed
 
     async def abort(self, request_id: str) -> list[StageOutput]:
@@ -489,18 +334,11 @@ class StageBackend(abc.ABC):
 
         Always checkpoints; returns once the backend dropped the request. Unknown ids: ``[]``.
         """
-        running = self._running.get(request_id)
-        if running is None:
-            await trio.lowlevel.checkpoint()
-            return []
-        running.cancel()
-        await running.wait_ended()
-        return list(running.partial or ())
+        return await self._requests.abort(request_id)
 
     def partial_outputs(self, request_id: str) -> list[StageOutput]:
         """The outputs a running request has emitted so far (``[]`` if it is not running)."""
-        running = self._running.get(request_id)
-        return list(running.partial or ()) if running else []
+        return self._requests.partial_outputs(request_id)
 
     async def collective_rpc(
         self,
@@ -514,47 +352,17 @@ class StageBackend(abc.ABC):
         naming the replica if it is not ready, or at once if it dies or stops while the call
         is pending (a dead replica never answers); :class:`StageRPCError` if the call raised.
         """
-        await trio.lowlevel.checkpoint_if_cancelled()
-        if not self.alive:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            raise self._unavailable_error(None)
-        scope = trio.CancelScope()
-        self._rpcs.add(scope)
-        try:
-            with scope:
-                result = await self._rpc(method, tuple(args or ()), dict(kwargs or {}))
-        except Exception as exc:
-            if not self.alive:
-                raise self._unavailable_error(None) from exc
-            if isinstance(exc, (StageRPCError, ReplicaDeadError)):
-                raise
-            raise StageRPCError(
-                f"collective_rpc({method!r}) failed on {self.name}: {type(exc).__name__}: {exc}",
-                stage_id=self.stage_id,
-            ) from exc
-        finally:
-            self._rpcs.discard(scope)
-        if scope.cancelled_caught or not self.alive:
-            raise self._unavailable_error(None) from self._death
-        return result
+        return await self._rpcs.call(method, args, kwargs, self._rpc)
 
     def _unavailable_error(self, request_id: str | None) -> ReplicaDeadError:
-        state = self.state
-        if state == "dead":
-            why = f"is dead: {type(self._death).__name__}: {self._death}"
-        else:
-            why = f"is {state}, not ready"
-        return ReplicaDeadError(
-            f"replica {self.name} {why}",
-            stage_id=self.stage_id,
-            request_id=request_id,
-            replica=self.replica,
+        return unavailable_error(
+            self.name, self.stage_id, self.replica, self.state, self._death, request_id
         )
 
     # -- introspection -------------------------------------------------------------------
     @property
     def requests_in_flight(self) -> int:
-        return len(self._running)
+        return len(self._requests)
 
     def init_phases(self) -> dict[str, float]:
         """Seconds from this replica's ``start`` to each recorded start-up phase
@@ -567,21 +375,16 @@ class StageBackend(abc.ABC):
         return ReplicaStatistics(
             replica=self.replica,
             alive=self.alive,
-            requests_in_flight=len(self._running),
-            requests_finished=self._n_finished,
-            requests_aborted=self._n_aborted,
-            requests_failed=self._n_failed,
+            requests_in_flight=len(self._requests),
+            requests_finished=self._requests.n_finished,
+            requests_aborted=self._requests.n_aborted,
+            requests_failed=self._requests.n_failed,
             state=self.state,
         )
 
     def __repr__(self) -> str:
+        table = self._requests
         return (
-            f"<{type(self).__name__} {self.name} {self.state} in_flight={len(self._running)} "
-            f"finished={self._n_finished} aborted={self._n_aborted} failed={self._n_failed}>"
+            f"<{type(self).__name__} {self.name} {self.state} in_flight={len(table)} "
+            f"finished={table.n_finished} aborted={table.n_aborted} failed={table.n_failed}>"
         )
-
-
-def no_live_replica(stage_id: str, request_id: str | None) -> NoLiveReplicaError:
-    return NoLiveReplicaError(
-        f"stage {stage_id!r} has no live replica", stage_id=stage_id, request_id=request_id
-    )
