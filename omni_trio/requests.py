@@ -122,7 +122,7 @@ class Request:
     """Everything the orchestrator holds for one request; dropped when its task ends."""
 
     __slots__ = (
-        "_convert",
+        "convert",
         "context",
         "input",
         "_done",
@@ -147,7 +147,8 @@ class Request:
         convert: Convert,
         streamed_input: RequestInput | None = None,
     ) -> None:
-        self._convert = convert
+        #: (request id, stage id, StageOutput) -> the OmniOutput a caller gets; set once
+        self.convert = convert
         self.plan = plan
         self.first_input = first_input
         self.context = context
@@ -233,7 +234,7 @@ class Request:
     def produced(self) -> list[OmniOutput]:
         """Every stage's outputs so far as OmniOutputs, in the order they came. Synchronous."""
         flat = self._produced or []
-        convert, rid = self._convert, self.lifecycle.request_id
+        convert, rid = self.convert, self.lifecycle.request_id
         out: list[OmniOutput] = []
         for i in range(0, len(flat), 2):
             sid, stage_out = flat[i], flat[i + 1]
@@ -243,7 +244,7 @@ class Request:
 
     def output(self, item: StageItem) -> OmniOutput:
         """The OmniOutput a caller gets for a stage's output. Synchronous, pure."""
-        return self._convert(self.lifecycle.request_id, item[0], item[1])
+        return self.convert(self.lifecycle.request_id, item[0], item[1])
 
     def end(self) -> RequestStatus:
         """The request's task ended: decide its status, queue its terminal outputs (an aborted
@@ -365,7 +366,7 @@ class RequestHandle:
             raise StopAsyncIteration from None
         if type(item) is tuple:
             # req.output(item), inlined: once per output
-            return req._convert(req.lifecycle.request_id, item[0], item[1])
+            return req.convert(req.lifecycle.request_id, item[0], item[1])
         if isinstance(item, outcome.Error):
             item.unwrap()
         assert isinstance(item, OmniOutput)
