@@ -1,15 +1,12 @@
 """Replica pools: one per stage, owning that stage's replicas for the whole session.
 
-The pool starts its replicas in parallel in its own nursery (one failing to start cancels the
-others' starts at once). Each replica index runs as one supervising task in that nursery
-(``nursery.start``): it serves the index's backend and, with ``restart: on-failure``, replaces
-a dead one (same index, exponential backoff, at most ``max_restarts`` times). Replicas join
-(:meth:`StagePool.add_replica`) and leave (:meth:`StagePool.remove_replica`: drain, then stop)
-while the pool serves. Requests are bound to replicas by a
+:class:`StagePool` runs requests on its replicas: each is bound to one replica by a
 :class:`~omni_trio.stages.binding.ReplicaBinder` (balancing policy, per-replica slots, waiting
-for a restarting replica). A dead replica fails only the requests bound to it. RPCs fan out
-to every replica concurrently. Backends are created from ``StageConfig.backend`` by
-:func:`create_backend`; the pool uses only their public methods.
+for a restarting replica), and a dead replica fails only the requests bound to it. RPCs fan
+out to every replica concurrently. Starting, restarting, adding, removing and stopping the
+replicas is its base :class:`~omni_trio.stages._pool_lifecycle.PoolLifecycle`. Backends are
+created from ``StageConfig.backend`` by :func:`create_backend`; the pool uses only their
+public methods.
 
 Several children failing (starts, stops, RPCs) raise one typed error ``from`` an
 ``ExceptionGroup`` of every cause, as trio's ``open_tcp_stream`` does.
@@ -22,36 +19,20 @@ from collections.abc import Mapping, Sequence
 
 import trio
 
-from ..config import LbPolicy, StageConfig
 from ..context import RequestContext
-from ..errors import (
-    EngineClosedError,
-    InvalidRequestError,
-    ReplicaDeadError,
-    StageStartError,
-    StageStopError,
-)
-from ..failures import describe_failures, group_causes
+from ..failures import describe_failures
 from ..outputs import Payload, SamplingParams, StageOutput, StageStatistics
-from ._abc import (
-    DEFAULT_SHUTDOWN_TIMEOUT,
-    Emit,
-    InputStream,
-    StageBackend,
-    is_cancellation,
-)
-from .balancing import Balancer
-from .binding import ReplicaBinder
+from ._abc import Emit, InputStream, StageBackend
+from ._pool_lifecycle import PoolLifecycle
 from .factory import BackendFactory, create_backend
 from .fanout import call_replicas
-from .replicas import ReplicaSlot, RestartRule
 
 __all__ = ["BackendFactory", "StagePool", "create_backend", "describe_failures"]  # re-exported
 
 logger = logging.getLogger(__name__)
 
 
-class StagePool:
+class StagePool(PoolLifecycle):
     """The replicas of one stage and the requests bound to them.
 
     ``shutdown_timeout`` (the pipeline's) bounds each replica's stop unless the stage sets
@@ -60,237 +41,6 @@ class StagePool:
     builds each replica's backend (default :func:`create_backend`), for the first start,
     restarts and added replicas alike.
     """
-
-    def __init__(
-        self,
-        config: StageConfig,
-        *,
-        stage_index: int,
-        shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
-        lb_policy: LbPolicy = "least_loaded",
-        lb_seed: int | None = None,
-        factory: BackendFactory = create_backend,
-    ) -> None:
-        self.config = config
-        self.stage_id = config.id
-        self.stage_index = stage_index
-        self._shutdown_timeout = shutdown_timeout
-        self._factory = factory
-        self._restart_rule = RestartRule.of(config)
-        self._slots: list[ReplicaSlot] = [
-            ReplicaSlot(r, self._new_backend(r), self._restart_rule) for r in range(config.replicas)
-        ]
-        self._next_index = config.replicas
-        self._binder = ReplicaBinder(
-            self.stage_id,
-            self._slots,
-            Balancer(config.lb_policy or lb_policy, lb_seed),
-            max_in_flight=config.max_in_flight_per_replica,
-            wait_timeout=config.replica_wait_timeout_s,
-        )
-        self._nursery: trio.Nursery | None = None  # while serving
-        self._change = trio.Event()  # set (and replaced) whenever a replica's state changes
-
-    def _new_backend(self, index: int) -> StageBackend:
-        backend = self._factory(self.config, stage_index=self.stage_index, replica=index)
-        if self.config.shutdown_timeout is None:
-            backend.shutdown_timeout = self._shutdown_timeout
-        return backend
-
-    # -- lifecycle -------------------------------------------------------------------------
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start every replica in parallel, report ready when all are, run until cancelled.
-
-        Checkpoints. If a replica fails to start, the other starts are cancelled at once,
-        every replica is stopped, and :class:`StageStartError` names each failed replica
-        (raised from the cause, or from an ``ExceptionGroup`` of every cause). A replica that
-        dies after readiness does not end the pool (it is restarted, or stays dead).
-        Cancellation is the shutdown signal: it stops every replica in parallel (each bounded
-        by its ``shutdown_timeout``), then raises :class:`StageStopError` listing each
-        replica whose stop raised or overran.
-        """
-        failed: list[tuple[str, BaseException]] = []
-        try:
-            async with trio.open_nursery() as nursery:
-                async with trio.open_nursery() as starters:
-                    for slot in self._slots:
-                        starters.start_soon(self._start_slot, nursery, starters, slot, failed)
-                if failed:
-                    nursery.cancel_scope.cancel()
-                else:
-                    self._nursery = nursery
-                    task_status.started()
-                    # the pool lives until shutdown, even if every replica died
-                    await trio.sleep_forever()
-        except BaseException as exc:
-            self._nursery = None
-            if is_cancellation(exc):
-                self._raise_stop_failures()
-            raise
-        self._nursery = None
-        if not failed:
-            # No replica failed, yet the start did not complete: a cancellation reached the
-            # starts and was absorbed on its way. A cancelled caller gets its cancellation; else
-            # a typed error (an empty ExceptionGroup used to escape from here as ValueError).
-            await trio.lowlevel.checkpoint()
-            raise StageStartError(self.stage_id, "the start was interrupted")
-        # only a failed start gets here
-        failed = self._in_replica_order(failed)
-        stops = self._stop_failures()
-        causes = [exc for _, exc in failed] + [exc for _, exc in stops]
-        reason = describe_failures(failed)
-        if stops:
-            reason += f" (and did not stop cleanly: {describe_failures(stops)})"
-        raise StageStartError(self.stage_id, reason) from group_causes(
-            f"stage {self.stage_id!r}: replica start failures", causes
-        )
-
-    async def _start_slot(
-        self,
-        nursery: trio.Nursery,
-        starters: trio.Nursery,
-        slot: ReplicaSlot,
-        failed: list[tuple[str, BaseException]],
-    ) -> None:
-        try:
-            await nursery.start(self._serve_slot, slot)
-        except StageStopError:
-            pass  # a start cancelled by a sibling's failure, whose stop failed: recorded
-        except Exception as exc:
-            failed.append((slot.backend.name, exc))
-            starters.cancel_scope.cancel()  # the siblings' starts stop now, not at the slowest
-
-    async def _serve_slot(self, slot: ReplicaSlot, *, task_status: trio.TaskStatus[None]) -> None:
-        await slot.serve(self._new_backend, self._changed, task_status=task_status)
-
-    def _in_replica_order(
-        self, failures: list[tuple[str, BaseException]]
-    ) -> list[tuple[str, BaseException]]:
-        order = {s.backend.name: i for i, s in enumerate(self._slots)}
-        return sorted(failures, key=lambda f: order[f[0]])
-
-    def _stop_failures(self) -> list[tuple[str, BaseException]]:
-        stops: list[tuple[str, BaseException]] = []
-        for slot in self._slots:
-            slot.record_stopped(slot.backend)
-            stops.extend(slot.stop_failures)
-        return stops
-
-    def _raise_stop_failures(self) -> None:
-        stops = self._stop_failures()
-        if stops:
-            raise StageStopError(stops) from group_causes(
-                f"stage {self.stage_id!r}: replica stop failures", [exc for _, exc in stops]
-            )
-
-    # -- membership ------------------------------------------------------------------------
-    async def add_replica(self) -> int:
-        """Start one more replica; return its index once it is ready (new requests may go
-        to it from then on).
-
-        Always checkpoints. Cancelled, the start is cancelled and the pool is unchanged.
-        Raises :class:`StageStartError` naming the replica if it fails to start (the pool
-        unchanged), :class:`EngineClosedError` if the pool is not serving.
-        """
-        await trio.lowlevel.checkpoint_if_cancelled()
-        nursery = self._nursery
-        if nursery is None:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            raise EngineClosedError(f"stage {self.stage_id!r} is not serving; cannot add a replica")
-        index = self._next_index
-        self._next_index += 1
-        slot = ReplicaSlot(index, self._new_backend(index), self._restart_rule)
-        self._slots.append(slot)
-        try:
-            await nursery.start(self._serve_slot, slot)
-        except Exception as exc:
-            self._slots.remove(slot)
-            self._changed()
-            raise StageStartError(
-                self.stage_id, f"added replica {slot.backend.name}: {type(exc).__name__}: {exc}"
-            ) from exc
-        except BaseException:
-            self._slots.remove(slot)
-            self._changed()
-            raise
-        return index
-
-    async def remove_replica(self, index: int, *, drain_timeout: float = 30.0) -> None:
-        """Stop routing new requests to replica ``index``, let its in-flight requests finish
-        for up to ``drain_timeout`` seconds, fail the rest with :class:`ReplicaDeadError`,
-        stop it and drop it from the pool. Removing the last ready replica is allowed.
-
-        Always checkpoints. Cancelled before the removal is committed, nothing happens;
-        cancelled while draining, the drain is cut short (the rest fail now) and the replica
-        is still stopped before the cancellation propagates. Raises
-        :class:`InvalidRequestError` for an unknown index or one already being removed,
-        :class:`StageStopError` if the replica's stop failed or overran.
-        """
-        await trio.lowlevel.checkpoint_if_cancelled()
-        slot = self._slot(index)
-        if slot is None or slot.draining:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            raise InvalidRequestError(
-                f"stage {self.stage_id!r} has no replica {index} to remove"
-                + (" (it is already being removed)" if slot is not None else "")
-                + f"; its replicas are {[s.index for s in self._slots if not s.draining]}"
-            )
-        slot.start_draining()
-        self._changed()
-        try:
-            with trio.move_on_after(drain_timeout):
-                await slot.wait_drained()
-        finally:
-            with trio.CancelScope(shield=True):
-                if slot.bound:
-                    slot.backend.kill(
-                        ReplicaDeadError(
-                            f"replica {slot.backend.name} was removed from the pool: "
-                            f"drain_timeout={drain_timeout}s ran out with {slot.bound} "
-                            f"request(s) in flight",
-                            stage_id=self.stage_id,
-                            replica=index,
-                        )
-                    )
-                slot.scope.cancel()
-                await slot.ended.wait()
-                self._slots.remove(slot)
-                self._changed()
-        if slot.stop_failures:
-            raise StageStopError(slot.stop_failures) from group_causes(
-                f"stage {self.stage_id!r}: replica stop failures",
-                [exc for _, exc in slot.stop_failures],
-            )
-
-    def _changed(self) -> None:
-        # a replica became ready, restarting, dead, draining, or joined or left the pool
-        self._binder.wake()
-        self._change.set()
-        self._change = trio.Event()
-
-    async def wait_settled(self) -> None:
-        """Wait until no replica is starting or restarting (each is ready, draining or dead
-        for good); event-driven. Always checkpoints."""
-        await trio.lowlevel.checkpoint()
-        while any(slot.pending for slot in self._slots):
-            await self._change.wait()
-
-    def _slot(self, index: int) -> ReplicaSlot | None:
-        for slot in self._slots:
-            if slot.index == index:
-                return slot
-        return None
-
-    def replica(self, index: int) -> StageBackend:
-        """The backend serving replica ``index`` now. Synchronous. Raises
-        :class:`InvalidRequestError` for an unknown index."""
-        slot = self._slot(index)
-        if slot is None:
-            raise InvalidRequestError(
-                f"stage {self.stage_id!r} has no replica {index}; "
-                f"its replicas are {[s.index for s in self._slots]}"
-            )
-        return slot.backend
 
     # -- requests ------------------------------------------------------------------------
     def bind_nowait(self, request_id: str) -> StageBackend:
