@@ -1,7 +1,7 @@
-"""benchmarks/bench_orchestrator.py's fake engine on the mock clock: the omni-trio side
-(whose steps hand outputs straight to the consumer through ``emit.nowait``) delivers every
-token of every request in order, the tokens the engines chained by hand give, and a
-consumer that leaves early leaves nothing in flight."""
+"""benchmarks/bench_orchestrator.py's fake engine (_orchestrator_fake.py) on the mock clock:
+the omni-trio side (whose steps hand outputs straight to the consumer through
+``emit.nowait``) delivers every token of every request in order, the tokens the engines
+chained by hand give, and a consumer that leaves early leaves nothing in flight."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import trio
 import omni_trio
 
 ROOT = Path(__file__).resolve().parent.parent
-# the benchmark is a script, not a package module: import it from its directory
+# the benchmark is a script with sibling modules, not a package: import them from its directory
 sys.path.insert(0, str(ROOT / "benchmarks"))
-bench = importlib.import_module("bench_orchestrator")
+fake = importlib.import_module("_orchestrator_fake")
 
 SHAPE = {"slots": 3, "step_s": 0.002, "tokens": 6}
 
@@ -31,7 +31,7 @@ def expected(prompt: list[int], stages: int) -> list[int]:
 async def test_the_fake_engine_stage_streams_every_token_in_order(autojump_clock):
     prompts = [[1, 2, 3], [10, 20], [5], [7, 8, 9, 10], [4, 4]]
     got: dict[int, list[list[int]]] = {}
-    async with omni_trio.open_engine(bench.fake_pipeline(2, SHAPE)) as engine:
+    async with omni_trio.open_engine(fake.fake_pipeline(2, SHAPE)) as engine:
 
         async def one(i: int) -> None:
             async with engine.generate(prompts[i]) as stream:
@@ -49,7 +49,7 @@ async def test_the_fake_engine_stage_streams_every_token_in_order(autojump_clock
 
 
 async def test_a_consumer_leaving_mid_stream_leaves_nothing(autojump_clock):
-    async with omni_trio.open_engine(bench.fake_pipeline(1, SHAPE)) as engine:
+    async with omni_trio.open_engine(fake.fake_pipeline(1, SHAPE)) as engine:
         for leave_after in range(1, SHAPE["tokens"]):
             seen = 0
             async with engine.generate([1, 2]) as stream:

@@ -1,0 +1,278 @@
+"""The fake engine cells of ``bench_orchestrator.py``: stages that behave like a batching
+engine with fixed-time steps, through omni-trio and chained by hand in plain trio.
+
+``FakeEngine`` runs ``slots`` requests at once, one step of ``step_s`` emits one token to each
+active request, a request waits for a free slot. ``FakeEngineBackend`` is omni-trio's side (a
+stage whose replica drives one); ``run_fake_floor`` chains the same engines by hand. The
+engine runs on the same trio loop as the orchestrator, so the wall-time ratio is what the
+orchestrator's CPU per step costs the engines (``fake_engine_cells``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from typing import Any
+
+import trio
+
+# benchmarks/ is on sys.path (bench_orchestrator.py runs as a script)
+from _orchestrator_scripted import FINISHED_AT, INPUT_AT, PROMPT, hop_stats
+
+import omni_trio
+from omni_trio.config import load_config
+from omni_trio.outputs import StageOutput
+from omni_trio.stages import StageBackend
+from omni_trio.stages._abc import Emit, InputStream
+from omni_trio.stages._emit import EmitNowait, nowait_of
+
+
+class _Sequence:
+    """One request inside a FakeEngine: its pending tokens and whoever waits for them (the
+    engine's own per-request output collector, as vLLM's). ``fast`` is the request's
+    ``emit.nowait`` (omni-trio's side only): while the reader waits with nothing pending, an
+    engine step hands it an unfinished output directly, as a vllm replica's demultiplexer
+    does, instead of waking the reader."""
+
+    __slots__ = (
+        "cancelled",
+        "done",
+        "fast",
+        "final_only",
+        "index",
+        "pending",
+        "prompt",
+        "tokens",
+        "waiter",
+    )
+
+    def __init__(
+        self, prompt: list[int], tokens: int, final_only: bool, fast: EmitNowait | None
+    ) -> None:
+        self.prompt = prompt or [0]
+        self.tokens = tokens
+        self.index = 0
+        self.final_only = final_only
+        self.fast = fast
+        self.pending: list[int] = []
+        self.done = False
+        self.cancelled = False
+        self.waiter: trio.lowlevel.Task | None = None
+
+    def step(self) -> None:
+        # one token per engine step; a final-only request wakes its reader at the end only
+        token = self.prompt[self.index % len(self.prompt)] + 1
+        self.index += 1
+        self.done = self.index == self.tokens
+        waiter = self.waiter
+        if waiter is not None and not self.done and not self.final_only:
+            fast = self.fast
+            if fast is not None and fast(StageOutput(token_ids=(token,))):
+                return
+        self.pending.append(token)
+        if (self.done or not self.final_only) and waiter is not None:
+            self.waiter = None
+            trio.lowlevel.reschedule(waiter)
+
+    async def receive(self) -> tuple[tuple[int, ...], bool]:
+        """The tokens produced since the last call and whether the request finished. Waits
+        only when nothing is pending (like vLLM's output collector). Always checkpoints."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        waited = False
+        while not self.pending or (self.final_only and not self.done):
+            self.waiter = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
+            waited = True
+        if not waited:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        delta, self.pending = tuple(self.pending), []
+        return delta, self.done
+
+    def _abort_wait(self, _: Any) -> trio.lowlevel.Abort:
+        # a cancelled reader: nothing takes the fast path any more
+        self.waiter = None
+        self.fast = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+
+class FakeEngine:
+    """``slots`` requests run at once; one step of ``step_s`` emits one token to each active
+    request; a request waits for a free slot; ``tokens`` tokens per request."""
+
+    def __init__(self, slots: int = 8, step_s: float = 0.002, tokens: int = 16) -> None:
+        self.slots = slots
+        self.step_s = step_s
+        self.tokens = tokens
+        self._waiting: deque[_Sequence] = deque()
+        self._active: list[_Sequence] = []
+        self._work = trio.lowlevel.ParkingLot()
+        self.steps = 0
+
+    def add(
+        self, prompt: list[int], *, final_only: bool = False, fast: EmitNowait | None = None
+    ) -> _Sequence:
+        seq = _Sequence(prompt, self.tokens, final_only, fast)
+        self._waiting.append(seq)
+        if self._work:
+            self._work.unpark()
+        return seq
+
+    async def run(self) -> None:
+        while True:
+            while self._waiting and len(self._active) < self.slots:
+                seq = self._waiting.popleft()
+                if not seq.cancelled:
+                    self._active.append(seq)
+            if not self._active:
+                await self._work.park()
+                continue
+            await trio.sleep(self.step_s)
+            self.steps += 1
+            for seq in self._active:
+                if not seq.cancelled:
+                    seq.step()
+            self._active = [s for s in self._active if not (s.done or s.cancelled)]
+
+
+class FakeEngineBackend(StageBackend):
+    """omni-trio's side of the fake engine shape: a stage whose replica drives a FakeEngine.
+    Options: ``slots``, ``step_s``, ``tokens``. A stage whose outputs nobody streams asks
+    its engine for the finished output only (as the vllm backend asks for FINAL_ONLY)."""
+
+    backend_name = "fake-engine"
+
+    def __init__(self, config: Any, *, stage_index: int, replica: int = 0) -> None:
+        super().__init__(config, stage_index=stage_index, replica=replica)
+        self.engine = FakeEngine(**dict(config.options))
+
+    async def _start(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def _serve_forever(self) -> None:
+        await self.engine.run()
+
+    async def _run(
+        self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
+    ) -> None:
+        key = (self.stage_id, request_id)
+        prompt: list[int] = []
+        async for chunk in inputs:
+            prompt.extend(chunk.token_ids)
+            if chunk.final:
+                break
+        INPUT_AT[key] = time.perf_counter()
+        streamed = self.outputs_streamed(request_id)
+        seq = self.engine.add(prompt, final_only=not streamed, fast=nowait_of(emit))
+        try:
+            while True:
+                delta, done = await seq.receive()
+                if done:
+                    seq.fast = None
+                    FINISHED_AT[key] = time.perf_counter()
+                    await emit(StageOutput(token_ids=delta, finished=True, finish_reason="length"))
+                    return
+                await emit(StageOutput(token_ids=delta))
+        finally:
+            seq.cancelled = True
+
+
+def fake_pipeline(n_stages: int, shape: dict[str, Any]):
+    stages = [
+        {
+            "id": f"s{i}",
+            "backend": f"{__name__}:FakeEngineBackend",
+            "inputs": [f"s{i - 1}"] if i else [],
+            "options": shape,
+            "final_output": i == n_stages - 1,
+        }
+        for i in range(n_stages)
+    ]
+    return load_config({"name": f"fake-{n_stages}", "stages": stages})
+
+
+async def run_fake_omni(engine: Any, n_requests: int, tag: str, tokens: int) -> float:
+    delivered = 0
+
+    async def one(i: int) -> None:
+        nonlocal delivered
+        async with engine.generate(PROMPT, request_id=f"{tag}-{i}") as stream:
+            async for out in stream:
+                delivered += len(out.token_ids)
+
+    t0 = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for i in range(n_requests):
+            nursery.start_soon(one, i)
+    wall = time.perf_counter() - t0
+    assert delivered == n_requests * tokens
+    return wall
+
+
+async def run_fake_floor(n_stages: int, n_requests: int, shape: dict[str, Any]) -> float:
+    """The same fake engines chained by hand: each request's task feeds stage k's finished
+    output to stage k+1 and reads the last stage's tokens as they come."""
+    engines = [FakeEngine(**shape) for _ in range(n_stages)]
+    delivered = 0
+    async with trio.open_nursery() as nursery:
+        for e in engines:
+            nursery.start_soon(e.run)
+
+        async def one() -> None:
+            nonlocal delivered
+            tokens = list(PROMPT)
+            for k, e in enumerate(engines):
+                seq = e.add(tokens, final_only=k < n_stages - 1)
+                got: list[int] = []
+                while True:
+                    delta, done = await seq.receive()
+                    got.extend(delta)
+                    if done:
+                        break
+                tokens = got
+            delivered += len(tokens)
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as inner:
+            for _ in range(n_requests):
+                inner.start_soon(one)
+        wall = time.perf_counter() - t0
+        nursery.cancel_scope.cancel()
+    assert delivered == n_requests * shape["tokens"]
+    return wall
+
+
+async def fake_engine_cells(n_requests: int, passes: int, shape: dict[str, Any]) -> list[Any]:
+    cells = []
+    for n_stages in (1, 2, 3):
+        FINISHED_AT.clear()
+        INPUT_AT.clear()
+        ratios, omni_walls, floor_walls = [], [], []
+        async with omni_trio.open_engine(fake_pipeline(n_stages, shape)) as engine:
+            await run_fake_omni(engine, n_requests, "warm", shape["tokens"])
+            await run_fake_floor(n_stages, n_requests, shape)
+            FINISHED_AT.clear()
+            INPUT_AT.clear()
+            for p in range(passes):
+                # interleaved, alternating which side goes first
+                if p % 2:
+                    omni = await run_fake_omni(engine, n_requests, f"p{p}", shape["tokens"])
+                    floor = await run_fake_floor(n_stages, n_requests, shape)
+                else:
+                    floor = await run_fake_floor(n_stages, n_requests, shape)
+                    omni = await run_fake_omni(engine, n_requests, f"p{p}", shape["tokens"])
+                ratios.append(omni / floor)
+                omni_walls.append(omni)
+                floor_walls.append(floor)
+        cells.append(
+            {
+                "stages": n_stages,
+                "requests": n_requests,
+                "omni_wall_s_median": round(statistics.median(omni_walls), 4),
+                "floor_wall_s_median": round(statistics.median(floor_walls), 4),
+                "wall_ratio_median": round(statistics.median(ratios), 3),
+                "wall_ratio_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
+                "hop": {k: round(v, 4) for k, v in hop_stats(n_stages).items()},
+            }
+        )
+    return cells

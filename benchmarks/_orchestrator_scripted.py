@@ -1,0 +1,226 @@
+"""The scripted-stage cells of ``bench_orchestrator.py``: omni-trio against the same
+scripted backends chained by hand, and the per-hop latency.
+
+A pipeline here is 1-3 ``scripted`` stages (``pipeline``). ``throughput_cells`` measures
+outputs per wall second and per CPU second through ``open_engine`` (``run_omni``) and by hand
+(``run_floor``), interleaved passes; ``hop_latency`` runs requests one at a time through 3
+``TimedScripted`` stages. Stages note when they hold an input and when they emit their
+finished output in ``INPUT_AT`` / ``FINISHED_AT``, which the fake engine stage fills too;
+``hop_stats`` turns them into per-hop latency.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import trio
+
+import omni_trio
+from omni_trio.config import load_config
+from omni_trio.outputs import StageInput, StageOutput
+from omni_trio.stages._abc import InputStream
+from omni_trio.stages.scripted import ScriptedBackend
+
+# (stage_id, request_id) -> perf_counter of the finished output / of the input's arrival
+FINISHED_AT: dict[tuple[str, str], float] = {}
+INPUT_AT: dict[tuple[str, str], float] = {}
+
+
+class _TimedInputs:
+    """A stage's input channel that notes when the stage first holds an input chunk."""
+
+    def __init__(self, inner: InputStream, key: tuple[str, str]) -> None:
+        self._inner = inner
+        self._key = key
+
+    async def receive(self) -> StageInput:
+        chunk = await self._inner.receive()
+        INPUT_AT.setdefault(self._key, time.perf_counter())
+        return chunk
+
+    def receive_nowait(self) -> StageInput:
+        # the scripted backend takes a whole input (or a queued chunk) this way, when the
+        # channel has it
+        receive_nowait = getattr(self._inner, "receive_nowait", None)
+        if receive_nowait is None:
+            raise trio.WouldBlock
+        chunk: StageInput = receive_nowait()
+        INPUT_AT.setdefault(self._key, time.perf_counter())
+        return chunk
+
+
+class TimedScripted(ScriptedBackend):
+    """A scripted stage that timestamps its input arrival and its finished output."""
+
+    async def _run(self, request_id, inputs, sampling_params, emit):  # type: ignore[override]
+        key = (self.stage_id, request_id)
+
+        async def timed_emit(out: StageOutput) -> None:
+            if out.finished:
+                FINISHED_AT[key] = time.perf_counter()
+            await emit(out)
+
+        timed = _TimedInputs(inputs, key)
+        await super()._run(request_id, timed, sampling_params, timed_emit)  # type: ignore[arg-type]
+
+
+def hop_stats(n_stages: int) -> dict[str, float]:
+    """Per-hop latency (ms) from FINISHED_AT / INPUT_AT: stage k's finished output -> stage
+    k+1 holding its input, for every request that made the hop."""
+    hops = []
+    for (sid, rid), t_in in INPUT_AT.items():
+        idx = int(sid[1:])
+        up = FINISHED_AT.get((f"s{idx - 1}", rid)) if idx else None
+        if up is not None and idx < n_stages:
+            hops.append((t_in - up) * 1e3)
+    if not hops:
+        return {"hops": 0}
+    hops.sort()
+    return {
+        "hops": len(hops),
+        "p50_ms": statistics.median(hops),
+        "p99_ms": hops[min(len(hops) - 1, int(len(hops) * 0.99))],
+        "max_ms": hops[-1],
+    }
+
+
+def pipeline(
+    n_stages: int,
+    outputs: int,
+    timed: bool = False,
+    stage_opts: dict[int, dict[str, Any]] | None = None,
+    **opts: Any,
+):
+    backend = f"{__name__}:TimedScripted" if timed else "scripted"
+    stage_opts = stage_opts or {}
+    stages = [
+        {
+            "id": f"s{i}",
+            "backend": backend,
+            "inputs": [f"s{i - 1}"] if i else [],
+            "options": {"outputs": outputs, **opts, **stage_opts.get(i, {})},
+            "final_output": i == n_stages - 1,
+        }
+        for i in range(n_stages)
+    ]
+    return load_config(
+        {"name": f"bench-{n_stages}", "stages": stages, "max_requests_in_flight": 100_000}
+    )
+
+
+PROMPT = list(range(1, 17))
+
+
+async def run_omni(n_stages: int, concurrency: int, outputs: int) -> dict[str, float]:
+    cfg = pipeline(n_stages, outputs)
+    delivered = 0
+    async with omni_trio.open_engine(cfg) as engine:
+
+        async def one(i: int) -> None:
+            nonlocal delivered
+            async with engine.generate(PROMPT, request_id=f"r{i}") as stream:
+                async for _ in stream:
+                    delivered += 1
+
+        t0, c0 = time.perf_counter(), time.process_time()
+        async with trio.open_nursery() as nursery:
+            for i in range(concurrency):
+                nursery.start_soon(one, i)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        assert engine.statistics().requests_in_flight == 0
+    assert delivered == concurrency * outputs
+    return {"wall_s": wall, "outputs_per_s": delivered / wall, "outputs_per_cpu_s": delivered / cpu}
+
+
+async def run_floor(n_stages: int, concurrency: int, outputs: int) -> dict[str, float]:
+    """The same backends chained by hand: the cost of the stages alone."""
+    cfg = pipeline(n_stages, outputs)
+    backends = [ScriptedBackend(st, stage_index=i) for i, st in enumerate(cfg.stages)]
+    delivered = 0
+    async with trio.open_nursery() as nursery:
+        for b in backends:
+            await nursery.start(b.serve)
+
+        async def one(i: int) -> None:
+            nonlocal delivered
+            chunk = StageInput(token_ids=tuple(PROMPT))
+            for k, b in enumerate(backends):
+                send, receive = trio.open_memory_channel[StageInput](1)
+                send.send_nowait(chunk)
+                send.close()
+                got: list[int] = []
+
+                async def emit(out, got=got) -> None:
+                    got.extend(out.token_ids)
+
+                await b.run_request(f"r{i}", receive, None, emit)
+                if k == len(backends) - 1:
+                    delivered += len(got)
+                chunk = StageInput(token_ids=tuple(got))
+
+        t0, c0 = time.perf_counter(), time.process_time()
+        async with trio.open_nursery() as inner:
+            for i in range(concurrency):
+                inner.start_soon(one, i)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        nursery.cancel_scope.cancel()
+    assert delivered == concurrency * outputs
+    return {"wall_s": wall, "outputs_per_s": delivered / wall, "outputs_per_cpu_s": delivered / cpu}
+
+
+async def hop_latency(n_requests: int, outputs: int) -> dict[str, float]:
+    FINISHED_AT.clear()
+    INPUT_AT.clear()
+    cfg = pipeline(3, outputs, timed=True)
+    async with omni_trio.open_engine(cfg) as engine:
+        # one at a time: the hop itself, not queueing behind other requests
+        for i in range(n_requests):
+            await engine.generate(PROMPT, request_id=f"h{i}").collect()
+    return hop_stats(3)
+
+
+def _median_ratio(omni: list[dict[str, float]], floor: list[dict[str, float]], key: str) -> float:
+    return statistics.median(o[key] / f[key] for o, f in zip(omni, floor, strict=True))
+
+
+async def throughput_cells(outputs: int, passes: int, quick: bool) -> list[Any]:
+    cells = []
+    concurrencies = [1, 100] if quick else [1, 100, 1000]
+    for n_stages in (1, 3):
+        for conc in concurrencies:
+            await run_omni(n_stages, min(conc, 10), outputs)  # warm-up
+            omni: list[dict[str, float]] = []
+            floor: list[dict[str, float]] = []
+            for p in range(passes):
+                # interleaved, alternating which side goes first
+                if p % 2:
+                    omni.append(await run_omni(n_stages, conc, outputs))
+                    floor.append(await run_floor(n_stages, conc, outputs))
+                else:
+                    floor.append(await run_floor(n_stages, conc, outputs))
+                    omni.append(await run_omni(n_stages, conc, outputs))
+            cells.append(
+                {
+                    "stages": n_stages,
+                    "concurrency": conc,
+                    "omni_outputs_per_s": round(
+                        statistics.median(o["outputs_per_s"] for o in omni)
+                    ),
+                    "floor_outputs_per_s": round(
+                        statistics.median(f["outputs_per_s"] for f in floor)
+                    ),
+                    # outputs per wall second, and per CPU second of this process (the
+                    # machine is shared: CPU time is what the other processes cannot inflate)
+                    "ratio_wall": round(_median_ratio(omni, floor, "outputs_per_s"), 3),
+                    "ratio_cpu": round(_median_ratio(omni, floor, "outputs_per_cpu_s"), 3),
+                    "omni_cpu_us_per_output": round(
+                        statistics.median(1e6 / o["outputs_per_cpu_s"] for o in omni), 2
+                    ),
+                    "floor_cpu_us_per_output": round(
+                        statistics.median(1e6 / f["outputs_per_cpu_s"] for f in floor), 2
+                    ),
+                }
+            )
+    return cells
