@@ -130,7 +130,7 @@ class EngineSession:
             self._state = "closed"
             leaf = single_leaf(group)
             if leaf is not None:
-                raise leaf from None
+                raise leaf from leaf.__cause__  # `from None` would erase the leaf's own cause
             raise
         except BaseException:
             self._state = "closed"
@@ -152,7 +152,7 @@ class EngineSession:
         except BaseExceptionGroup as group:
             leaf = single_leaf(group)
             if leaf is not None:
-                raise leaf from None
+                raise leaf from leaf.__cause__  # `from None` would erase the leaf's own cause
             raise
 
     @asynccontextmanager

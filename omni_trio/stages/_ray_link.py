@@ -11,6 +11,11 @@ The connection is shared and counted: the first replica that needs Ray connects 
 an existing cluster; ``None``: a local Ray started for this process, with this machine's CPUs)
 and the last one to stop disconnects, shutting a local Ray down (its processes exit). One
 address per process: a second, different one is refused.
+
+A cluster's ``host:port`` is probed with a plain TCP connection first: ``ray.init`` against an
+address where nothing listens keeps retrying (Ray 2.60: 20 tries of ~41 s each; still trying
+after 5 minutes when measured), and a worker thread blocked in it cannot be cancelled, so
+the stage's init timeout could not end the wait.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -26,7 +32,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from ..errors import BackendUnavailableError, ConfigError
+from ..errors import BackendUnavailableError, ConfigError, StageStartError
 
 __all__ = ["RayLink", "RemoteStream", "wait_future"]
 
@@ -36,6 +42,20 @@ T = TypeVar("T")
 
 # ray.shutdown of a local Ray takes ~1-2 s; a link that has not disconnected by then is stuck
 SHUTDOWN_TIMEOUT_S = 60.0
+#: seconds a cluster's address may take to accept a TCP connection (a host that drops it)
+PROBE_TIMEOUT_S = 10.0
+
+
+def cluster_endpoint(address: str | None) -> tuple[str, int] | None:
+    """The ``(host, port)`` that must accept a connection for ``address`` to be a cluster
+    (``"head:6379"``, ``"ray://head:10001"``, ``"[::1]:6379"``), or ``None`` when there is
+    nothing to probe (a local Ray, ``"auto"``, no numeric port: ``ray.init`` judges). Pure."""
+    if address is None:
+        return None
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 class RayLink:
@@ -62,27 +82,44 @@ class RayLink:
 
     # -- ownership (blocking: call from a worker thread) -------------------------------------
     @classmethod
-    def acquire(cls, address: str | None) -> RayLink:
-        """Connect (or share the connection): ``ray.init`` the first time (~2 s for a local
-        Ray). Blocking. Raises ConfigError for a second, different address,
+    def acquire(cls, address: str | None, *, stage_id: str) -> RayLink:
+        """Connect (or share the connection) for stage ``stage_id``: ``ray.init`` the first
+        time (~2 s for a local Ray). Blocking. Raises StageStartError (from the cause) when no
+        cluster answers at ``address`` (within PROBE_TIMEOUT_S) or ``ray.init`` fails, with
+        no thread or Ray process of ours left; ConfigError for a second, different address;
         BackendUnavailableError without ray."""
         with cls._lock:
             link = cls._current
             if link is None:
+                endpoint = cluster_endpoint(address)
+                if endpoint is not None:
+                    _probe(address, endpoint, stage_id)
                 link = RayLink(address)
-                link._connect()
+                try:
+                    link._connect()
+                except Exception as exc:
+                    where = f"the Ray cluster at {address}" if address else "a local Ray"
+                    raise StageStartError(
+                        stage_id,
+                        f"cannot connect to {where} (placement.ray.address): "
+                        f"ray.init raised {type(exc).__name__}: {exc}",
+                    ) from exc
                 cls._current = link
             elif link.address != address:
                 raise ConfigError(
-                    f"this process is connected to Ray at {link.address or 'a local Ray'}; a "
-                    f"stage asks for {address or 'a local Ray'} (one Ray per process)"
+                    f"this process is connected to Ray at {link.address or 'a local Ray'}; "
+                    f"stage {stage_id!r} asks for {address or 'a local Ray'} (one Ray per process)"
                 )
             link.users += 1
             return link
 
     def _connect(self) -> None:
         self._thread.start()
-        self._connected.result()  # what ray.init raised, raised here
+        try:
+            self._connected.result()  # what ray.init raised, raised here
+        except BaseException:
+            self._thread.join()  # it ends right after a failed ray.init: none is left
+            raise
 
     def _own(self) -> None:
         # The link thread connects, runs the loop and disconnects. It must be the thread
@@ -105,7 +142,7 @@ class RayLink:
                 ray.init(**kwargs)
                 self.started_ray = True
         except BaseException as exc:
-            self._connected.set_exception(exc)
+            self._connected.set_exception(self._undo_failed_init(exc))
             return
         self._connected.set_result(None)
         try:
@@ -123,6 +160,16 @@ class RayLink:
             self._disconnected.set_exception(exc)
         else:
             self._disconnected.set_result(None)
+
+    def _undo_failed_init(self, exc: BaseException) -> BaseException:
+        # a local Ray whose init failed half-way may have started processes: ray.shutdown
+        # stops them (a no-op when nothing started); the loop never ran, its selector closes
+        self.loop.close()
+        try:
+            self.ray.shutdown()
+        except BaseException as stop_exc:
+            return BaseExceptionGroup("ray.init failed, then ray.shutdown", [exc, stop_exc])
+        return exc
 
     def release(self) -> None:
         """One user fewer; the last one disconnects (a local Ray it started is shut down and
@@ -159,6 +206,19 @@ class RayLink:
     def __repr__(self) -> str:
         where = self.address or "local"
         return f"<RayLink {where} users={self.users}{' started' if self.started_ray else ''}>"
+
+
+def _probe(address: str | None, endpoint: tuple[str, int], stage_id: str) -> None:
+    try:
+        with socket.create_connection(endpoint, timeout=PROBE_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise StageStartError(
+            stage_id,
+            f"no Ray cluster answers at {address} (placement.ray.address): a TCP connection "
+            f"to {endpoint[0]}:{endpoint[1]} failed within {PROBE_TIMEOUT_S:g}s: "
+            f"{type(exc).__name__}: {exc}",
+        ) from exc
 
 
 async def _awaited(ref: Any) -> Any:

@@ -80,7 +80,10 @@ class StageGroup:
                         if self._stop_error is not None:
                             logger.error("after a failed start: %s", self._stop_error)
                         leaf = single_leaf(starts)
-                        raise (leaf if leaf is not None else starts) from None
+                        if leaf is not None:
+                            # `from None` would also erase the leaf's own cause
+                            raise leaf from leaf.__cause__
+                        raise starts from None
                     if rest is not None:
                         # the cancellation that stopped the pools (this scope catches it),
                         # or a bug: either way not ours to swallow

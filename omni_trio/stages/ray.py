@@ -27,6 +27,7 @@ replicas.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -86,7 +87,9 @@ class RayBackend(StageBackend):
     # -- lifecycle -------------------------------------------------------------------------
     async def _start(self) -> None:
         address = self._placement.address
-        self._link = link = await trio.to_thread.run_sync(RayLink.acquire, address)
+        self._link = link = await trio.to_thread.run_sync(
+            partial(RayLink.acquire, address, stage_id=self.stage_id)
+        )
         self.mark_phase("ray_connected")
         ray = link.ray
         p = self._placement

@@ -22,7 +22,7 @@ import omni_trio
 from omni_trio import ReplicaDeadError, StageError, StageStartError
 from omni_trio.server.metrics import EngineMetrics
 from omni_trio.stages import ray as ray_stage
-from omni_trio.stages._ray_link import RayLink
+from omni_trio.stages._ray_link import RayLink, cluster_endpoint
 from omni_trio.stages.ray import RayBackend, placement_problem
 from omni_trio.testing import cancel_at_every_checkpoint
 
@@ -278,12 +278,59 @@ async def test_an_unsatisfiable_placement_fails_fast_saying_what_was_asked():
     assert await no_ray_left() == []
 
 
+def test_cluster_endpoint_is_the_host_and_port_a_cluster_must_accept():
+    assert cluster_endpoint("127.0.0.1:6379") == ("127.0.0.1", 6379)
+    assert cluster_endpoint("ray://head:10001") == ("head", 10001)
+    assert cluster_endpoint("[::1]:6379") == ("::1", 6379)
+    # nothing to probe: ray.init judges
+    assert [cluster_endpoint(a) for a in (None, "auto", "head", "head:noport")] == [None] * 4
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the chain of its ``__cause__``s."""
+    chain = [exc]
+    while chain[-1].__cause__ is not None:
+        chain.append(chain[-1].__cause__)
+    return chain
+
+
+@pytest.mark.parametrize(
+    ("where", "cause"),
+    [("dead", ConnectionRefusedError), ("no port", ValueError)],
+    ids=["no-cluster-listens", "ray-init-refuses"],
+)
+async def test_a_ray_address_that_cannot_be_joined_fails_the_start_naming_it(where, cause):
+    # nothing listens on a free port (refused by the probe, before ray.init); a port Ray
+    # cannot parse makes ray.init itself fail, on the link's thread
+    address = f"127.0.0.1:{free_port()}" if where == "dead" else "127.0.0.1:noport"
+    cfg = pipeline(True)
+    cfg["stages"][1]["placement"] = {"ray": {"address": address, "num_cpus": 0.5}}
+    with trio.fail_after(60):
+        with pytest.raises(StageStartError) as info:
+            async with omni_trio.open_engine(cfg):
+                pass
+    assert info.value.stage_id == "b"
+    assert address in str(info.value) and "placement.ray.address" in str(info.value)
+    assert isinstance(causes(info.value)[-1], cause)
+    # nothing of ours is left: no link, no link thread, no Ray connection or process
+    assert RayLink._current is None
+    assert [t for t in threading.enumerate() if t.name == "omni-trio-ray-link"] == []
+    assert not sys.modules["ray"].is_initialized()
+    assert await no_ray_left() == []
+
+
 async def test_a_local_ray_outlives_the_thread_that_connected():
     # Ray forks its GCS and raylet with PR_SET_PDEATHSIG, which fires when the forking
     # *thread* exits: connecting from a short-lived thread (as trio's worker threads are)
     # must not tie the local Ray's life to that thread.
     links: list[RayLink] = []
-    caller = threading.Thread(target=lambda: links.append(RayLink.acquire(None)))
+    caller = threading.Thread(target=lambda: links.append(RayLink.acquire(None, stage_id="b")))
     caller.start()
     caller.join()
     (link,) = links
