@@ -13,7 +13,8 @@ replicas.
   create the actor and start its backend, bounded by the stage's init timeout.
 - **Requests**: the input crosses with the call (or chunk by chunk for a ``stream_input``
   stage or a ``streaming_input`` request), outputs come back as one Ray object per batch
-  (what the backend emitted together), at most ``window`` batches in flight. Cancelling a
+  (what the backend emitted together), at most ``window`` batches in flight; a batch's
+  outputs go on through ``emit.nowait`` while it takes them (:mod:`._emit`). Cancelling a
   request ``ray.cancel``-s the call; the actor aborts it in its backend before the call ends,
   and ``_run`` returns only after that (bounded by ``abort_timeout_s``).
 - **Death**: a sentinel call per actor returns when its backend dies and fails when the actor
@@ -38,6 +39,7 @@ from ..errors import InvalidRequestError, ReplicaDeadError, StageStartError, Sta
 from ..outputs import Payload, StageInput
 from ..transport import codec
 from ._abc import Emit, InputStream, StageBackend, collect_input
+from ._emit import never, nowait_of
 from ._ray_actor import BATCH, ReplicaActor, raise_record
 from ._ray_link import RayLink, RemoteStream
 
@@ -252,6 +254,12 @@ class RayBackend(StageBackend):
                     logger.warning("%s: abort of %r not confirmed in time", self.name, request_id)
 
     async def _relay(self, request_id: str, stream: RemoteStream, emit: Emit) -> None:
+        # A batch's outputs go through emit's fast path while it takes them (no checkpoint
+        # each), then, from the first one it refuses, through the awaited emit, in order.
+        # Checkpoints at every batch (stream.receive always does); no cancellation can be
+        # pending on the fast path: it runs right after receive's closing checkpoint, with
+        # no await in between.
+        nowait = nowait_of(emit) or never
         while True:
             try:
                 kind, payload = await stream.receive()
@@ -267,7 +275,12 @@ class RayBackend(StageBackend):
                 ) from exc
             if kind != BATCH:
                 raise_record(payload, request_id)
-            for out in codec.decode_outputs(payload):
+            outs = iter(codec.decode_outputs(payload))
+            for out in outs:
+                if not nowait(out):
+                    await emit(out)
+                    break
+            for out in outs:
                 await emit(out)
 
     async def _forward_input(self, request_id: str, inputs: InputStream) -> None:

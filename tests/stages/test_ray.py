@@ -92,6 +92,28 @@ async def test_a_stage_on_ray_gives_the_same_outputs_and_leaves_nothing():
     assert await no_ray_left() == []
 
 
+async def test_a_slow_consumer_gets_every_output_of_each_batch_in_order():
+    # a window of 2 and a consumer that lags: of a batch from the actor, emit's fast path
+    # takes what fits and refuses the rest, which goes through the awaited emit, in order
+    async def slowly(config: dict) -> list[tuple[str, list[int], bool]]:
+        config["output_buffer"] = 2
+        async with omni_trio.open_engine(config) as engine:
+            got = []
+            async with engine.generate("hello", output_stages=["b"]) as stream:
+                async for out in stream:
+                    got.append((out.stage_id, out.token_ids, out.finished))
+                    await trio.sleep(0.002)
+            assert engine.statistics().stage_requests_in_flight == 0
+            return got
+
+    options = {"outputs": 40, "latency_s": 0}
+    local = await slowly(pipeline(False, options=options))
+    remote = await slowly(pipeline(True, options=options))
+    assert len(local) == 40 and local[-1][2]
+    assert remote == local
+    assert await no_ray_left() == []
+
+
 async def test_cancellation_reaches_the_actor_before_async_with_returns():
     cfg = pipeline(True, options={"outputs": 1000, "latency_s": 0.01})
     async with omni_trio.open_engine(cfg) as engine:
