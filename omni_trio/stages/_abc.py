@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -262,7 +262,7 @@ class StageBackend(abc.ABC):
             raise StageStopError([(self.name, cause)]) from cause
 
     # -- requests ------------------------------------------------------------------------
-    async def run_request(
+    def run_request(
         self,
         request_id: str,
         inputs: InputStream,
@@ -271,8 +271,9 @@ class StageBackend(abc.ABC):
         *,
         streamed: bool = True,
         context: RequestContext | None = None,
-    ) -> None:
-        """Run one request on this replica, streaming its outputs through ``emit``.
+    ) -> Coroutine[object, object, None]:
+        """Run one request on this replica, streaming its outputs through ``emit``: await
+        what this returns (a coroutine, as if this were an ``async def``).
 
         ``streamed=False`` says nobody needs the outputs as they come (no caller streams this
         stage, no downstream stage takes streamed input): the backend may then emit its
@@ -280,16 +281,18 @@ class StageBackend(abc.ABC):
         request's :class:`~omni_trio.context.RequestContext` (:meth:`request_context` gives
         it to ``_run``).
 
-        Checkpoints. Cancelling the caller aborts the request here before returning.
-        Raises :class:`ReplicaDeadError` if the replica is or becomes dead,
+        Awaiting it checkpoints. Cancelling the caller aborts the request here before
+        returning. Raises :class:`ReplicaDeadError` if the replica is or becomes dead,
         :class:`StageAborted` if :meth:`abort` ended it, a :class:`StageError` for
         request-scoped failures (or one naming the replica if the backend emitted after the
         finished output), :class:`InvalidRequestError` for input the backend rejects.
         """
 
-        # a partial, not a closure: no extra coroutine frame per request while it runs
+        # The request table's own coroutine, not one awaiting it, and a partial, not a
+        # closure: no extra coroutine frame per request while it runs (the heap each request
+        # in flight holds).
         run = partial(self._run, request_id, inputs, sampling_params)
-        await self._requests.run(request_id, run, emit, streamed=streamed, context=context)
+        return self._requests.run(request_id, run, emit, streamed=streamed, context=context)
 
     def request_context(self, request_id: str) -> RequestContext | None:
         """The context ``request_id`` was run with here (original prompt, every stage's

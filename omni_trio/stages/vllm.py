@@ -77,8 +77,7 @@ import msgspec
 import outcome
 import trio
 
-from ..context import RequestContext
-from ..errors import InvalidRequestError, ReplicaDeadError, StageError
+from ..errors import ReplicaDeadError
 from ..outputs import StageInput
 from ..transport.bridge import BridgeReceiver, open_bridge
 from ._abc import Emit, InputStream, StageBackend, collect_input
@@ -243,27 +242,6 @@ class VllmBackend(StageBackend):
                 end.close()
 
     # -- requests -----------------------------------------------------------------------------
-    async def run_request(
-        self,
-        request_id: str,
-        inputs: InputStream,
-        sampling_params: Any,
-        emit: Emit,
-        *,
-        streamed: bool = True,
-        context: RequestContext | None = None,
-    ) -> None:
-        """See :meth:`StageBackend.run_request`; also raises :class:`InvalidRequestError`
-        for bad sampling params or prompts (the base class would wrap it in StageError)."""
-        try:
-            await super().run_request(
-                request_id, inputs, sampling_params, emit, streamed=streamed, context=context
-            )
-        except StageError as exc:
-            if isinstance(exc.__cause__, InvalidRequestError):
-                raise exc.__cause__ from None
-            raise
-
     async def _run(
         self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
     ) -> None:
