@@ -87,6 +87,36 @@ async def _deliver(req: Request, item: tuple[str, StageOutput]) -> None:
         await trio.lowlevel.checkpoint()
 
 
+class _Collect:
+    """The emit of a collected stage (:meth:`StageRunner._run_collected`): records each
+    output and keeps it. A slotted object with bound methods, not closures: it is held by
+    every request in flight on such a stage."""
+
+    __slots__ = ("_record", "_req", "_sid", "outs")
+
+    def __init__(
+        self,
+        record: Callable[[Request, str, StageOutput], tuple[str, StageOutput]],
+        req: Request,
+        sid: str,
+    ) -> None:
+        self._record = record  # the runner's
+        self._req = req
+        self._sid = sid
+        self.outs: list[StageOutput] = []
+
+    async def emit(self, out: StageOutput) -> None:
+        # never waits: the outputs are routed once the backend returned
+        self.outs.append(self._record(self._req, self._sid, out)[1])
+
+    def emit_nowait(self, out: StageOutput) -> bool:
+        lifecycle = self._req.lifecycle
+        if lifecycle.abort_requested or lifecycle.failed or lifecycle.stage_finished(self._sid):
+            return False  # the awaited emit raises the violation, or is cancelled
+        self.outs.append(self._record(self._req, self._sid, out)[1])
+        return True
+
+
 class StageRunner:
     """Runs the stages of the orchestrator's requests. Owned by the
     :class:`~omni_trio.orchestrator.Orchestrator`."""
@@ -285,19 +315,9 @@ class StageRunner:
         # A stage whose outputs nobody needs as they come (no caller, no streaming downstream
         # stage): the backend's outputs are kept, and routed here once it returned (out of
         # its call stack), straight to the downstream stages' input: no routing task.
-        outs: list[StageOutput] = []
-        lifecycle = req.lifecycle
-
-        async def emit(out: StageOutput) -> None:
-            outs.append(self._record(req, sid, out)[1])
-
-        def emit_nowait(out: StageOutput) -> bool:
-            if lifecycle.abort_requested or lifecycle.failed or lifecycle.stage_finished(sid):
-                return False  # the awaited emit raises the violation, or is cancelled
-            outs.append(self._record(req, sid, out)[1])
-            return True
-
-        emitter = Emitter(emit, emit_nowait)
+        collect = _Collect(self._record, req, sid)
+        outs = collect.outs
+        emitter = Emitter(collect.emit, collect.emit_nowait)
         if not await self._run_stage(req, sid, inputs, emitter, streamed=False, feeds=feeds):
             return _NONE_READY
         ready: list[tuple[StageFeed, StageInput | None]] = []

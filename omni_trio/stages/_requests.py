@@ -17,7 +17,7 @@ from ..errors import StageError
 if TYPE_CHECKING:
     from ..context import RequestContext
 from ..outputs import StageOutput
-from ._emit import Emit, Emitter, nowait_of
+from ._emit import Emit, EmitNowait, Emitter, nowait_of
 
 __all__ = ["RequestOutcome", "RunningRequest", "request_outcome"]
 
@@ -49,6 +49,8 @@ class RunningRequest:
 
     __slots__ = (
         "_done",
+        "_downstream",
+        "_emit",
         "cancelled",
         "context",
         "ended",
@@ -90,6 +92,9 @@ class RunningRequest:
         #: the backend call returned or raised
         self.ended = False
         self._done: trio.Event | None = None  # created by the first waiter (abort())
+        # what emitter() wraps (slots and bound methods: a request holds no closures)
+        self._emit: Emit | None = None
+        self._downstream: EmitNowait | None = None
 
     def cancel(self) -> None:
         """Cancel the backend's call (abort, replica death). Synchronous."""
@@ -116,40 +121,41 @@ class RunningRequest:
         a backend that swallows the error still fails the request). Its ``nowait`` records
         an output only once ``emit``'s own fast path delivered it, and refuses (``False``,
         nothing recorded) after the finished output, once the request's scope was cancelled,
-        or when ``emit`` has no fast path."""
-        downstream = nowait_of(emit)
+        or when ``emit`` has no fast path. Once per request: it wraps the one ``emit``."""
+        self._emit = emit
+        self._downstream = nowait_of(emit)
+        if self._downstream is None:
+            return Emitter(self._record)
+        return Emitter(self._record, self._record_nowait)
 
-        async def record(out: StageOutput) -> None:
-            if self.finished:
-                self.violation = StageError(
-                    f"replica {self.replica} of stage {self.stage_id!r} broke the backend "
-                    f"contract: it emitted an output for request {self.request_id!r} after "
-                    f"its finished output",
-                    stage_id=self.stage_id,
-                    request_id=self.request_id,
-                )
-                raise self.violation
-            if self.partial is None:
-                self.partial = [out]
-            else:
-                self.partial.append(out)
-            await emit(out)
-            # only once delivered: an emit cancelled midway did not deliver it
-            self.finished = out.finished
+    async def _record(self, out: StageOutput) -> None:
+        if self.finished:
+            self.violation = StageError(
+                f"replica {self.replica} of stage {self.stage_id!r} broke the backend "
+                f"contract: it emitted an output for request {self.request_id!r} after "
+                f"its finished output",
+                stage_id=self.stage_id,
+                request_id=self.request_id,
+            )
+            raise self.violation
+        if self.partial is None:
+            self.partial = [out]
+        else:
+            self.partial.append(out)
+        assert self._emit is not None
+        await self._emit(out)
+        # only once delivered: an emit cancelled midway did not deliver it
+        self.finished = out.finished
 
-        if downstream is None:
-            return Emitter(record)
-
-        def record_nowait(out: StageOutput) -> bool:
-            # the awaited emit handles every refusal (it raises the violation, it is
-            # cancelled); the fast path only ever delivers
-            if self.finished or self.cancelled or not downstream(out):
-                return False
-            if self.partial is None:
-                self.partial = [out]
-            else:
-                self.partial.append(out)
-            self.finished = out.finished
-            return True
-
-        return Emitter(record, record_nowait)
+    def _record_nowait(self, out: StageOutput) -> bool:
+        # the awaited emit handles every refusal (it raises the violation, it is cancelled);
+        # the fast path only ever delivers
+        downstream = self._downstream
+        if self.finished or self.cancelled or downstream is None or not downstream(out):
+            return False
+        if self.partial is None:
+            self.partial = [out]
+        else:
+            self.partial.append(out)
+        self.finished = out.finished
+        return True
