@@ -31,6 +31,7 @@ from functools import partial
 
 import trio
 
+from ._stage_emits import CollectEmit, OutboxEmit, PulledEmit, deliver
 from .companions import companion_key, run_with_companions
 from .config import PipelineConfig
 from .errors import OmniTrioError, StageError
@@ -41,7 +42,7 @@ from .planning import RequestPlan, StagePath, stage_path
 from .requests import Request
 from .routing import StageFeed, WholeInput
 from .stages._abc import StageAborted
-from .stages._emit import Emit, Emitter
+from .stages._emit import Emit
 from .stages.pool import StagePool
 from .stages.processors import InputProcessor
 from .transport.queue import OutputQueue
@@ -61,60 +62,6 @@ _NONE_READY: Ready = ()
 _STOPPED = StageOutput(finished=True, finish_reason="stop")
 #: what a stage's outbox ends with when its backend returned normally
 _COMPLETED = StageOutput(finished=True, finish_reason="completed")
-
-
-async def _deliver(req: Request, item: tuple[str, StageOutput]) -> None:
-    """Put a recorded output into the request's queue for the consumer. Checkpoints only
-    when the window is full or the consumer left (which is an abort).
-
-    A stage's finished output never waits for the window: the lifecycle already counts the
-    stage finished, so it must reach the consumer even if the request is cancelled now (a
-    cancelled wait would leave that stage with no finished output at all). It costs at most
-    one item per output stage past the window.
-    """
-    queue = req.queue
-    try:
-        try:
-            queue.send_nowait(item)
-        except trio.WouldBlock:
-            if item[1].finished:
-                queue.send_final_nowait(item)
-            else:
-                await queue.send(item)
-    except trio.BrokenResourceError:
-        # the consumer stopped listening: that is an abort
-        req.request_abort()
-        await trio.lowlevel.checkpoint()
-
-
-class _Collect:
-    """The emit of a collected stage (:meth:`StageRunner._run_collected`): records each
-    output and keeps it. A slotted object with bound methods, not closures: it is held by
-    every request in flight on such a stage."""
-
-    __slots__ = ("_record", "_req", "_sid", "outs")
-
-    def __init__(
-        self,
-        record: Callable[[Request, str, StageOutput], tuple[str, StageOutput]],
-        req: Request,
-        sid: str,
-    ) -> None:
-        self._record = record  # the runner's
-        self._req = req
-        self._sid = sid
-        self.outs: list[StageOutput] = []
-
-    async def emit(self, out: StageOutput) -> None:
-        # never waits: the outputs are routed once the backend returned
-        self.outs.append(self._record(self._req, self._sid, out)[1])
-
-    def emit_nowait(self, out: StageOutput) -> bool:
-        lifecycle = self._req.lifecycle
-        if lifecycle.abort_requested or lifecycle.failed or lifecycle.stage_finished(self._sid):
-            return False  # the awaited emit raises the violation, or is cancelled
-        self.outs.append(self._record(self._req, self._sid, out)[1])
-        return True
 
 
 class StageRunner:
@@ -273,36 +220,11 @@ class StageRunner:
         # (RequestHandle.receive): no routing task, no scheduler trip between the backend and
         # the consumer. The queue's window is the backpressure.
 
-        queue = req.queue
-        lifecycle = req.lifecycle
-
-        async def emit(out: StageOutput) -> None:
-            item = self._record(req, sid, out)
-            try:
-                queue.send_nowait(item)  # the usual case, room in the window: no coroutine
-            except (trio.WouldBlock, trio.BrokenResourceError):
-                await _deliver(req, item)
-
-        def emit_nowait(out: StageOutput) -> bool:
-            # the backend's fast path (see stages._emit): into the window if it has room, and
-            # only when the awaited emit would do just that (no abort, failure, violation)
-            if lifecycle.abort_requested or lifecycle.failed or lifecycle.stage_finished(sid):
-                return False
-            try:
-                queue.send_nowait((sid, out))
-            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-                return False
-            # _record, inlined: the stage had not finished, so the lifecycle only needs to
-            # hear of a finished output
-            if out.finished:
-                lifecycle.stage_output(sid, True)
-            req.keep(sid, out)
-            return True
-
-        if await self._run_stage(req, sid, inputs, Emitter(emit, emit_nowait), streamed=True):
+        pulled = PulledEmit(self._record, req, sid)
+        if await self._run_stage(req, sid, inputs, pulled.emitter(), streamed=True):
             if not req.lifecycle.failed and not req.lifecycle.stage_finished(sid):
                 # the backend ended without a finished output; the caller gets one
-                await emit(_STOPPED)
+                await pulled.emit(_STOPPED)
         return _NONE_READY
 
     async def _run_collected(
@@ -315,9 +237,9 @@ class StageRunner:
         # A stage whose outputs nobody needs as they come (no caller, no streaming downstream
         # stage): the backend's outputs are kept, and routed here once it returned (out of
         # its call stack), straight to the downstream stages' input: no routing task.
-        collect = _Collect(self._record, req, sid)
+        collect = CollectEmit(self._record, req, sid)
         outs = collect.outs
-        emitter = Emitter(collect.emit, collect.emit_nowait)
+        emitter = collect.emitter()
         if not await self._run_stage(req, sid, inputs, emitter, streamed=False, feeds=feeds):
             return _NONE_READY
         ready: list[tuple[StageFeed, StageInput | None]] = []
@@ -407,24 +329,7 @@ class StageRunner:
         # the stage's bounded outbox (with room it does not even yield); the stage's routing
         # task (_route_stage: the orchestrator's code, never the backend's call stack)
         # delivers them. The outbox ends with a completion marker only on a normal end.
-        lifecycle = req.lifecycle
-
-        async def emit(out: StageOutput) -> None:
-            try:
-                outbox.send_nowait(out)
-            except trio.WouldBlock:
-                await outbox.send(out)
-
-        def emit_nowait(out: StageOutput) -> bool:
-            if lifecycle.abort_requested or lifecycle.failed:
-                return False
-            try:
-                outbox.send_nowait(out)
-            except (trio.WouldBlock, trio.ClosedResourceError):
-                return False
-            return True
-
-        emitter = Emitter(emit, emit_nowait)
+        emitter = OutboxEmit(req, outbox).emitter()
         try:
             if await self._run_stage(req, sid, inputs, emitter, streamed=streamed, feeds=feeds):
                 outbox.send_final_nowait(_COMPLETED)
@@ -502,7 +407,7 @@ class StageRunner:
         if sid in req.plan.outputs:
             # the routing loop checkpoints on every output it takes from the outbox: pass
             # this one on without another trip through the scheduler unless the window is full
-            await _deliver(req, item)
+            await deliver(req, item)
         for feed in feeds:
             chunk = feed.take(sid, out)
             if chunk is not None:

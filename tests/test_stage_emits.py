@@ -1,0 +1,131 @@
+"""The emit each kind of stage run gives its backend (_stage_emits.py): what the awaited emit
+does, and when the fast path refuses (nothing changed) so that the awaited one decides."""
+
+import pytest
+import trio
+import trio.testing
+
+from omni_trio._stage_emits import CollectEmit, OutboxEmit, PulledEmit, deliver
+from omni_trio.context import RequestContext
+from omni_trio.errors import StageError
+from omni_trio.outputs import StageInput, StageOutput
+from omni_trio.planning import RequestPlan
+from omni_trio.requests import Request
+from omni_trio.transport.queue import OutputQueue
+
+
+def out(tok: int, finished: bool = False) -> StageOutput:
+    return StageOutput(token_ids=(tok,), finished=finished)
+
+
+def request(window: int = 2) -> Request:
+    plan = RequestPlan(active=("s",), outputs=("s",))
+    return Request(
+        "r",
+        plan,
+        StageInput(token_ids=(1,), final=True),
+        RequestContext("r", [1]),
+        window,
+        lambda rid, sid, o: o,
+    )
+
+
+def record(req: Request, sid: str, o: StageOutput) -> tuple[str, StageOutput]:
+    # what the runner's record does, minus naming the replica
+    req.lifecycle.stage_output(sid, o.finished)
+    req.keep(sid, o)
+    return (sid, o)
+
+
+def queued(req: Request) -> list[tuple[str, StageOutput]]:
+    items = []
+    while True:
+        try:
+            items.append(req.queue.receive_nowait())
+        except trio.WouldBlock:
+            return items
+
+
+async def test_pulled_fast_path_fills_the_window_then_refuses_and_emit_waits():
+    req = request(window=2)
+    pulled = PulledEmit(record, req, "s")
+    assert pulled.emit_nowait(out(1)) and pulled.emit_nowait(out(2))
+    assert not pulled.emit_nowait(out(3))  # the window is full: nothing changed
+    assert req.n_produced == 2
+    # the awaited emit takes the room there is without a checkpoint, else waits for room
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pulled.emit, out(3))
+        await trio.testing.wait_all_tasks_blocked()
+        assert req.n_produced == 3  # recorded, waiting for room
+        assert [o.token_ids for _, o in queued(req)] == [(1,), (2,)]
+    assert [o.token_ids for _, o in queued(req)] == [(3,)]
+    with trio.testing.assert_no_checkpoints():
+        await pulled.emit(out(4))
+    assert [o.token_ids for _, o in queued(req)] == [(4,)]
+
+
+async def test_pulled_refuses_once_aborting_failed_or_finished():
+    req = request()
+    pulled = PulledEmit(record, req, "s")
+    assert pulled.emit_nowait(out(1, finished=True))
+    assert req.lifecycle.stage_finished("s")
+    assert not pulled.emit_nowait(out(2))  # after the finished output
+    with pytest.raises(Exception, match="after"):
+        await pulled.emit(out(2))  # the awaited emit raises the violation
+    aborting = request()
+    aborting.request_abort()
+    assert not PulledEmit(record, aborting, "s").emit_nowait(out(1))
+    assert queued(aborting) == []
+
+
+async def test_deliver_a_finished_output_never_waits_for_the_window():
+    req = request(window=1)
+    await deliver(req, ("s", out(1)))
+    with trio.testing.assert_no_checkpoints():
+        await deliver(req, ("s", out(2, finished=True)))  # past the full window
+    assert [o.token_ids for _, o in queued(req)] == [(1,), (2,)]
+
+
+async def test_deliver_to_a_consumer_gone_aborts_the_request():
+    req = request()
+    req.queue.close_receiver()
+    await deliver(req, ("s", out(1)))
+    assert req.lifecycle.abort_requested
+
+
+async def test_collect_keeps_every_output_in_order_and_refuses_after_the_finished_one():
+    req = request()
+    collect = CollectEmit(record, req, "s")
+    with trio.testing.assert_no_checkpoints():
+        await collect.emit(out(1))
+    assert collect.emit_nowait(out(2, finished=True))
+    assert not collect.emit_nowait(out(3))
+    assert [o.token_ids for o in collect.outs] == [(1,), (2,)]
+
+    def strict(req: Request, sid: str, o: StageOutput) -> tuple[str, StageOutput]:
+        if req.lifecycle.stage_finished(sid):
+            raise StageError("an output after the finished one")
+        return record(req, sid, o)
+
+    with pytest.raises(StageError):
+        await CollectEmit(strict, req, "s").emit(out(3))
+    failed = request()
+    failed.fail("s", StageError("boom"))
+    assert not CollectEmit(record, failed, "s").emit_nowait(out(1))
+
+
+async def test_outbox_emit_fills_the_outbox_then_waits_for_room():
+    req = request()
+    outbox: OutputQueue[StageOutput] = OutputQueue(1)
+    emit = OutboxEmit(req, outbox)
+    assert emit.emit_nowait(out(1))
+    assert not emit.emit_nowait(out(2))  # full
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(emit.emit, out(2))
+        await trio.testing.wait_all_tasks_blocked()
+        assert outbox.receive_nowait().token_ids == (1,)  # room: the waiting emit goes on
+    assert outbox.receive_nowait().token_ids == (2,)
+    req.request_abort()
+    assert not emit.emit_nowait(out(3))
+    outbox.close()
+    assert not OutboxEmit(request(), outbox).emit_nowait(out(4))  # a closed outbox
