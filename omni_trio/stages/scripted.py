@@ -57,6 +57,7 @@ import trio
 from ..errors import StageError
 from ..outputs import StageInput, StageOutput
 from ._abc import Emit, InputStream, StageBackend
+from ._emit import nowait_of
 from .options import ScriptedOptions, parse_options
 
 __all__ = ["RecentList", "ScriptedBackend", "scripted_tokens"]
@@ -222,6 +223,9 @@ class ScriptedBackend(StageBackend):
         # a whole input (or a chunk already queued) is taken without waiting
         receive_nowait = getattr(inputs, "receive_nowait", None)
         live = self._live[request_id] = _Live()
+        # the emit's fast path: an output delivered at once needs no awaited emit (its
+        # coroutines); the awaited one decides every other case (waits, aborts, raises)
+        nowait = nowait_of(emit)
         k = 0
         # a stop cut a wait short: output k is the stop output
         stopped = False
@@ -270,16 +274,16 @@ class ScriptedBackend(StageBackend):
                     )
                 token = tokens[k % len(tokens)] + offset if tokens else offset + k
                 last = k == n_outputs - 1
-                await emit(
-                    StageOutput(
-                        token_ids=(token,),
-                        text=f"{self.stage_id}:{token} ",
-                        finished=last,
-                        finish_reason="length" if last else None,
-                        # metrics once per request, on its finished output (as vllm's)
-                        metrics={"output_index": k} if last else None,
-                    )
+                out = StageOutput(
+                    token_ids=(token,),
+                    text=f"{self.stage_id}:{token} ",
+                    finished=last,
+                    finish_reason="length" if last else None,
+                    # metrics once per request, on its finished output (as vllm's)
+                    metrics={"output_index": k} if last else None,
                 )
+                if nowait is None or not nowait(out):
+                    await emit(out)
                 if live.stop:
                     k += 1
                     break
