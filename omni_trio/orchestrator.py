@@ -26,6 +26,7 @@ from collections.abc import Mapping
 
 import trio
 
+from ._output_builder import OutputBuilder
 from .admission import AdmissionGate
 from .config import PipelineConfig
 from .context import RequestContext
@@ -36,7 +37,7 @@ from .interactions import Interactions
 from .observer import ObserverSet
 from .outputs import OmniOutput, Payload, StageInput
 from .planning import RequestPlan
-from .requests import OutputBuilder, Request, RequestHandle, RequestInfo
+from .requests import Request, RequestHandle, RequestInfo
 from .routing import StageFeed
 from .stagerun import StageRunner
 from .stages.pool import StagePool

@@ -1,12 +1,12 @@
-"""requests.py's OutputBuilder: the OmniOutput a caller gets, built without the frozen
+"""_output_builder.py's OutputBuilder: the OmniOutput a caller gets, built without the frozen
 dataclass __init__, is the same value as one built with it."""
 
 import dataclasses
 
 import pytest
 
+from omni_trio._output_builder import _BUILT_FIELDS, OutputBuilder
 from omni_trio.outputs import OmniOutput, StageOutput
-from omni_trio.requests import _BUILT_FIELDS, OutputBuilder
 
 BUILD = OutputBuilder([("thinker", "text"), ("talker", "audio")])
 
