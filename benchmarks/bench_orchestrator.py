@@ -128,6 +128,7 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
     worst_wall = max(c["wall_ratio_median"] for c in fake)
     hop = results["hop_latency"]
     worst_tp = min(c["ratio_cpu"] for c in results["throughput"])
+    worst_vs_consumer = min(c["ratio_cpu_vs_consumer_floor"] for c in results["throughput"])
     kib = results["memory"]["python_heap_per_request_kib"]
     kib_1 = results["memory_1_stage"]["python_heap_per_request_kib"]
     kib_last = results["memory_3_stages_in_last"]["python_heap_per_request_kib"]
@@ -136,6 +137,9 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
         "hop_p50_lt_0.05_ms": [hop["p50_ms"], hop["p50_ms"] < 0.05],
         "hop_p99_lt_0.5_ms": [hop["p99_ms"], hop["p99_ms"] < 0.5],
         "scripted_ratio_ge_0.5": [worst_tp, worst_tp >= 0.5],
+        # not a target: the same against hand-chained stages read from their own task, as
+        # an open_engine caller reads them (the wake-up per output the floor above lacks)
+        "scripted_ratio_vs_consumer_floor": [worst_vs_consumer, None],
         "heap_per_request_lt_10_kib_3_stages": [kib, kib < 10],
         "heap_per_request_lt_10_kib_1_stage": [kib_1, kib_1 < 10],
         "heap_per_request_lt_10_kib_3_stages_in_last": [kib_last, kib_last < 10],
