@@ -16,9 +16,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
@@ -46,6 +47,8 @@ __all__ = [
     "cmd_schema",
     "cmd_validate",
 ]
+
+T = TypeVar("T")
 
 RANDOM_WEIGHTS_NOTE = (
     "note: the tiny-omni models have random weights: the text and audio below are noise. "
@@ -89,38 +92,45 @@ async def _run_pipeline(
     return RunSummary(config, len(prompts), tuple(written), Path(args.output_dir), started)
 
 
-async def _until_sigint(
-    args: argparse.Namespace, config: PipelineConfig, prompts: Sequence[str]
-) -> RunSummary:
-    """:func:`_run_pipeline`, cancelled by the first SIGINT, which then raises
-    ``KeyboardInterrupt`` once the engine has closed (``main`` prints "interrupted").
+async def _until_sigint(work: Callable[[], Awaitable[T]]) -> T:
+    """``await work()``, cancelled by the first SIGINT, which then raises
+    ``KeyboardInterrupt`` once ``work`` has unwound (its engine closed: ``main`` prints
+    "interrupted"). Checkpoints; a cancellation from outside propagates as ``Cancelled``;
+    what ``work`` raises reaches the caller as it raised it.
 
     Ctrl-C arrives as a signal the run watches for, not as a ``KeyboardInterrupt`` trio
     injects wherever the main thread happens to be: injected inside trio's own scheduling it
     surfaced as ``TrioInternalError`` (about one run in 20-60 of tests/test_cli.py's Ctrl-C
     test)."""
     interrupted = False
-    summary: RunSummary | None = None
-    with trio.open_signal_receiver(signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
+    result: list[T] = []  # work's return value, once it returned (None is a value too)
+    try:
+        with trio.open_signal_receiver(signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
 
-            async def watch() -> None:
-                nonlocal interrupted
-                async for _ in signals:
-                    interrupted = True
-                    nursery.cancel_scope.cancel()
-                    return
+                async def watch() -> None:
+                    nonlocal interrupted
+                    async for _ in signals:
+                        interrupted = True
+                        nursery.cancel_scope.cancel()
+                        return
 
-            async def main() -> None:
-                nonlocal summary
-                summary = await _run_pipeline(args, config, prompts)
-                nursery.cancel_scope.cancel()  # done: stop watching
+                async def main() -> None:
+                    result.append(await work())
+                    nursery.cancel_scope.cancel()  # done: stop watching
 
-            nursery.start_soon(watch)
-            nursery.start_soon(main)
-    if interrupted or summary is None:
+                nursery.start_soon(watch)
+                nursery.start_soon(main)
+    except BaseExceptionGroup as group:
+        # the nursery wraps what the work raised (the watcher raises nothing of its own): the
+        # caller gets it as the work raised it (a StageError, not a group holding one)
+        if len(group.exceptions) != 1:
+            raise
+        error = group.exceptions[0]
+        raise error from error.__cause__  # `from None` would erase the error's own cause
+    if interrupted or not result:
         raise KeyboardInterrupt
-    return summary
+    return result[0]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -128,7 +138,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     config = load_config_arg(str(default_pipeline()))
     print(RANDOM_WEIGHTS_NOTE, flush=True)
-    summary = trio.run(_until_sigint, args, config, args.prompt or list(DEMO_PROMPTS))
+    prompts = args.prompt or list(DEMO_PROMPTS)
+    summary = trio.run(_until_sigint, partial(_run_pipeline, args, config, prompts))
     print(RANDOM_WEIGHTS_NOTE, flush=True)
     print(summary.line("demo", time.perf_counter() - t0), flush=True)
     return 0
@@ -140,7 +151,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = load_config_arg(args.config)
     if any(not p for p in args.prompt):
         raise UsageError("--prompt must not be empty")
-    summary = trio.run(_until_sigint, args, config, args.prompt)
+    summary = trio.run(_until_sigint, partial(_run_pipeline, args, config, args.prompt))
     print(summary.line("run", time.perf_counter() - t0), flush=True)
     return 0
 

@@ -1,18 +1,26 @@
 """The one-shot commands: ``validate``, ``run``, ``bench`` and ``demo``, each through ``main``
-(``schema``: with the config schema's tests in ``test_config_pipeline.py``)."""
+(``schema``: with the config schema's tests in ``test_config_pipeline.py``); and the SIGINT
+watch that ``run`` and ``demo`` run under (``_until_sigint``), on its own."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import wave
+from functools import partial
 from pathlib import Path
 
 import pytest
+import trio
 
+import omni_trio
+from omni_trio._cli_commands import _until_sigint
 from omni_trio.cli import main
-from omni_trio.testing import scripted_tokens
+from omni_trio.errors import StageError
+from omni_trio.runner import StageTimer, run_prompts
+from omni_trio.testing import cancel_at_every_checkpoint, scripted_pipeline, scripted_tokens
 
 from .test_cli import LOG_NOTE, log_file, one_line_error, pipeline, write
 from .test_config import stage
@@ -174,3 +182,100 @@ def test_demo_end_to_end_streams_text_and_writes_wavs(tmp_path):
     with wave.open(str(out_dir / "prompt-1.wav")) as w:
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 16_000)
         assert w.getnframes() > 0 and w.getnframes() % 160 == 0  # whole vocoder hops
+
+
+# -- _until_sigint: the SIGINT watch of run and demo ------------------------------------------
+def _tasks_of_until_sigint() -> list[str]:
+    """The live tasks _until_sigint started (its watcher, the work's task)."""
+    found: list[str] = []
+
+    def walk(task: trio.lowlevel.Task) -> None:
+        if "_until_sigint.<locals>" in task.name:
+            found.append(task.name)
+        for nursery in task.child_nurseries:
+            for child in nursery.child_tasks:
+                walk(child)
+
+    walk(trio.lowlevel.current_root_task())
+    return found
+
+
+async def test_until_sigint_cancelled_at_every_checkpoint(autojump_clock, tmp_path, capsys):
+    handler = signal.getsignal(signal.SIGINT)
+    seen_running: list[str] = []
+
+    def nothing_left(engine: omni_trio.Engine) -> None:
+        assert signal.getsignal(signal.SIGINT) == handler, "SIGINT handler not restored"
+        assert not _tasks_of_until_sigint()
+
+    async def scenario(engine: omni_trio.Engine) -> None:
+        async def work() -> list[Path]:
+            seen_running.extend(_tasks_of_until_sigint())  # the check above sees its tasks
+            return await run_prompts(engine, ["hi"], tmp_path, None, StageTimer())
+
+        try:
+            await _until_sigint(work)
+        except KeyboardInterrupt:  # would end the whole pytest session
+            raise AssertionError("KeyboardInterrupt without a SIGINT") from None
+
+    cfg = scripted_pipeline(2, outputs=3, latency_s=0.01)
+    async with omni_trio.open_engine(cfg) as engine:
+        report = await cancel_at_every_checkpoint(engine, scenario, invariant=nothing_left)
+    report.raise_if_failed()  # every cancelled run raised Cancelled, left nothing behind
+    assert report.checkpoints > 5
+    assert any(name.endswith(".watch") for name in seen_running), seen_running
+
+
+async def test_until_sigint_returns_what_the_work_returns(autojump_clock):
+    assert await _until_sigint(partial(trio.sleep, 1)) is None  # None too, not an interrupt
+    assert trio.current_time() == 1
+
+    async def three() -> int:
+        await trio.lowlevel.checkpoint()
+        return 3
+
+    assert await _until_sigint(three) == 3
+
+
+async def test_until_sigint_raises_the_works_error_as_it_raised_it(autojump_clock):
+    handler = signal.getsignal(signal.SIGINT)
+    error = StageError("stage 'b' failed request 'r'", stage_id="b", request_id="r")
+
+    async def work() -> None:
+        await trio.sleep(1)  # the watcher is waiting for a SIGINT meanwhile
+        raise error
+
+    with pytest.raises(StageError) as caught:
+        await _until_sigint(work)
+    assert caught.value is error  # not in an exception group, not a KeyboardInterrupt
+    assert signal.getsignal(signal.SIGINT) == handler
+
+
+async def test_until_sigint_raises_a_failed_requests_stage_error(autojump_clock, tmp_path, capsys):
+    cfg = scripted_pipeline(2, outputs=3, stage_options={"s1": {"fail_at_output": 2}})
+    async with omni_trio.open_engine(cfg) as engine:
+        with pytest.raises(StageError, match="fail at output 2") as caught:
+            await _until_sigint(partial(run_prompts, engine, ["hi"], tmp_path, None, StageTimer()))
+    assert type(caught.value) is StageError and caught.value.stage_id == "s1"
+
+
+async def test_a_sigint_cancels_the_work_then_raises_keyboard_interrupt(autojump_clock):
+    handler = signal.getsignal(signal.SIGINT)
+    steps: list[str] = []
+
+    async def work() -> None:
+        try:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C, while the watcher is installed
+            steps.append("signalled")
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(5)  # the engine closing
+            steps.append("cleaned up")
+
+    with pytest.raises(KeyboardInterrupt), trio.fail_after(60):  # a missed SIGINT: fails
+        await _until_sigint(work)
+    assert steps == ["signalled", "cleaned up"]  # the interrupt came after the cleanup
+    assert trio.current_time() == 5
+    assert signal.getsignal(signal.SIGINT) == handler
+    assert not _tasks_of_until_sigint()
