@@ -16,8 +16,9 @@ task). What happens to a stage's outputs depends on who needs them
   its task hands them to the downstream stages' input processors;
 - any other stage (an output stage that feeds another, a stage feeding a ``stream_input``
   stage, or every stage while observers watch the engine) has a routing task beside it: the
-  backend's ``emit`` only fills a bounded outbox, and the routing loop delivers each output
-  to the caller, to the observers and to the downstream stages' input processors.
+  backend's ``emit`` only fills a bounded outbox, and the routing loop
+  (:func:`~omni_trio._stage_route.route_stage`) delivers each output to the caller, to the
+  observers and to the downstream stages' input processors.
 
 Input processors and observers never run inside a backend's call stack. A stage's failure
 fails the request (:meth:`~omni_trio.requests.Request.fail`), an abort through a pool aborts
@@ -31,7 +32,8 @@ from functools import partial
 
 import trio
 
-from ._stage_emits import CollectEmit, OutboxEmit, PulledEmit, deliver
+from ._stage_emits import CollectEmit, OutboxEmit, PulledEmit
+from ._stage_route import COMPLETED, NONE_READY, STOPPED, Ready, finish_feeds, route_stage
 from .companions import companion_key, run_with_companions
 from .config import PipelineConfig
 from .errors import OmniTrioError, StageError
@@ -49,19 +51,11 @@ from .transport.queue import OutputQueue
 
 __all__ = ["StageRunner"]
 
-#: the deferred downstream stages a stage's end made ready, each with its whole input
-Ready = Sequence[tuple[StageFeed, StageInput | None]]
 #: one stage task of a request (a backend run or a routing loop); returns what it made ready
 Run = Callable[[], Awaitable[Ready]]
 #: a stage's input: a channel (streamed input, or every stage while observers watch) or
 #: its whole input
 Inputs = trio.MemoryReceiveChannel[StageInput] | WholeInput
-#: no deferred stage made ready
-_NONE_READY: Ready = ()
-
-_STOPPED = StageOutput(finished=True, finish_reason="stop")
-#: what a stage's outbox ends with when its backend returned normally
-_COMPLETED = StageOutput(finished=True, finish_reason="completed")
 
 
 class StageRunner:
@@ -195,7 +189,7 @@ class StageRunner:
         outbox: OutputQueue[StageOutput] = OutputQueue(self.config.output_buffer)
         return [
             partial(self._run_backend, req, sid, inputs, outbox, streamed, feeds),
-            partial(self._route_stage, req, sid, outbox, feeds, streamed),
+            partial(route_stage, req, sid, outbox, feeds, streamed, self.observers, self._record),
         ]
 
     def _record(self, req: Request, sid: str, out: StageOutput) -> tuple[str, StageOutput]:
@@ -224,8 +218,8 @@ class StageRunner:
         if await self._run_stage(req, sid, inputs, pulled.emitter(), streamed=True):
             if not req.lifecycle.failed and not req.lifecycle.stage_finished(sid):
                 # the backend ended without a finished output; the caller gets one
-                await pulled.emit(_STOPPED)
-        return _NONE_READY
+                await pulled.emit(STOPPED)
+        return NONE_READY
 
     async def _run_collected(
         self,
@@ -241,35 +235,21 @@ class StageRunner:
         outs = collect.outs
         emitter = collect.emitter()
         if not await self._run_stage(req, sid, inputs, emitter, streamed=False, feeds=feeds):
-            return _NONE_READY
+            return NONE_READY
         ready: list[tuple[StageFeed, StageInput | None]] = []
         try:
             if not req.lifecycle.failed:
                 if not req.lifecycle.stage_finished(sid):
-                    outs.append(self._record(req, sid, _STOPPED)[1])
+                    outs.append(self._record(req, sid, STOPPED)[1])
                 for feed in feeds:
                     feed.collect(sid, outs)  # none streams: this stage would be routed
-                for feed, chunk in self._finish_feeds(sid, feeds, ready):
+                for feed, chunk in finish_feeds(sid, feeds, ready):
                     await feed.send_final(chunk)
         except OmniTrioError as exc:
             # an input processor failed: a failure of its own (downstream) stage
             req.fail(sid, exc)
-            return _NONE_READY
+            return NONE_READY
         return ready
-
-    @staticmethod
-    def _finish_feeds(
-        sid: str, feeds: Sequence[StageFeed], ready: list[tuple[StageFeed, StageInput | None]]
-    ) -> list[tuple[StageFeed, StageInput | None]]:
-        """Stage ``sid`` finished: the final chunk of each downstream stage that has all its
-        input now. Deferred ones go to ``ready`` (to be started); the others are returned,
-        for the caller to send with ``send_final``. Synchronous. Raises StageError if an
-        input processor fails."""
-        to_send: list[tuple[StageFeed, StageInput | None]] = []
-        for feed in feeds:
-            if feed.finish(sid):
-                (ready if feed.deferred else to_send).append((feed, feed.final_chunk()))
-        return to_send
 
     async def _run_stage(
         self,
@@ -327,88 +307,12 @@ class StageRunner:
     ) -> Ready:
         # Runs the request on the stage's pool. The backend's emit only puts its outputs into
         # the stage's bounded outbox (with room it does not even yield); the stage's routing
-        # task (_route_stage: the orchestrator's code, never the backend's call stack)
+        # task (route_stage: the orchestrator's code, never the backend's call stack)
         # delivers them. The outbox ends with a completion marker only on a normal end.
         emitter = OutboxEmit(req, outbox).emitter()
         try:
             if await self._run_stage(req, sid, inputs, emitter, streamed=streamed, feeds=feeds):
-                outbox.send_final_nowait(_COMPLETED)
+                outbox.send_final_nowait(COMPLETED)
         finally:
             outbox.close()
-        return _NONE_READY
-
-    async def _route_stage(
-        self,
-        req: Request,
-        sid: str,
-        outbox: OutputQueue[StageOutput],
-        feeds: Sequence[StageFeed],
-        streamed: bool,
-    ) -> Ready:
-        rid = req.request_id
-        status = "aborted"
-        first = True
-        completed = False
-        # Outputs nobody needs promptly (no caller gets them, no downstream stage streams
-        # them) are routed in batches: after the first one (its time is a metric), this task
-        # wakes when the outbox is full or the backend ended, not once per output.
-        batch = not streamed
-        ready: list[tuple[StageFeed, StageInput | None]] = []
-        if self.observers:
-            self.observers.emit("stage_started", rid, sid)
-        try:
-            while True:
-                # take what is queued without a scheduler trip; wait only when nothing is
-                try:
-                    out = outbox.receive_nowait()
-                except trio.WouldBlock:
-                    if batch and not first:
-                        await outbox.wait_full()
-                        continue
-                    try:
-                        out = await outbox.receive()
-                    except trio.EndOfChannel:
-                        break
-                except trio.EndOfChannel:
-                    break
-                if out is _COMPLETED:
-                    completed = True
-                    continue
-                await self._route(req, sid, out, feeds, first)
-                first = False
-            if completed and not req.lifecycle.failed:
-                if not req.lifecycle.stage_finished(sid):
-                    # the backend ended without a finished output; the caller gets one
-                    await self._route(req, sid, _STOPPED, feeds, first)
-                for feed, chunk in self._finish_feeds(sid, feeds, ready):
-                    await feed.send_final(chunk)
-                status = "finished"
-        except OmniTrioError as exc:
-            # a routing failure (contract, input processor): cancels the request, and with
-            # it this stage's backend
-            req.fail(sid, exc)
-        finally:
-            if req.lifecycle.failed and status != "finished":
-                status = "failed"
-            if self.observers:
-                self.observers.emit("stage_finished", rid, sid, status)
-        return ready if status == "finished" else _NONE_READY
-
-    async def _route(
-        self, req: Request, sid: str, out: StageOutput, feeds: Sequence[StageFeed], first: bool
-    ) -> None:
-        """Deliver one output of stage ``sid``: to the caller (if an output stage) and to the
-        downstream feeds. Checkpoints only when a channel is full (backpressure); the routing
-        loop that calls it checkpoints per output. Raises StageError (contract or processor
-        failures)."""
-        item = self._record(req, sid, out)
-        if self.observers:
-            self.observers.emit("stage_output", req.request_id, sid, first)
-        if sid in req.plan.outputs:
-            # the routing loop checkpoints on every output it takes from the outbox: pass
-            # this one on without another trip through the scheduler unless the window is full
-            await deliver(req, item)
-        for feed in feeds:
-            chunk = feed.take(sid, out)
-            if chunk is not None:
-                await feed.send(sid, chunk)
+        return NONE_READY

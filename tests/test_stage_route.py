@@ -1,0 +1,176 @@
+"""A routed stage's routing task (_stage_route.py) on its own: what it delivers, in which
+order, what a stage's normal or abnormal end hands on, and what fails the request."""
+
+import trio
+import trio.testing
+
+from omni_trio._stage_route import COMPLETED, STOPPED, finish_feeds, route_stage
+from omni_trio.errors import StageError
+from omni_trio.lifecycle import ContractViolation
+from omni_trio.observer import ObserverSet
+from omni_trio.outputs import StageInput, StageOutput
+from omni_trio.requests import Request
+from omni_trio.routing import StageFeed
+from omni_trio.stages.processors import token_handoff
+from omni_trio.transport.queue import OutputQueue
+
+from .test_stage_emits import out, queued
+from .test_stage_emits import record as record_kept
+from .test_stage_emits import request as emits_request
+
+
+def request() -> Request:
+    # stage "s", an output stage, with room in the consumer's window for every test here
+    return emits_request(window=4)
+
+
+def record(req: Request, sid: str, o: StageOutput) -> tuple[str, StageOutput]:
+    # the runner's record: a contract violation becomes a StageError
+    try:
+        return record_kept(req, sid, o)
+    except ContractViolation as exc:
+        raise StageError(str(exc), stage_id=sid, request_id=req.request_id) from None
+
+
+class Events:
+    """An observer noting the routing task's stage events (without their times)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[object, ...]] = []
+
+    def stage_started(self, rid: str, sid: str, t: float) -> None:
+        self.seen.append(("started", sid))
+
+    def stage_output(self, rid: str, sid: str, first: bool, t: float) -> None:
+        self.seen.append(("output", sid, first))
+
+    def stage_finished(self, rid: str, sid: str, status: str, t: float) -> None:
+        self.seen.append(("finished", sid, status))
+
+
+def observed() -> tuple[ObserverSet, Events]:
+    observers, events = ObserverSet(), Events()
+    observers.add(events)  # type: ignore[arg-type]
+    return observers, events
+
+
+def feed_to(
+    req: Request,
+    observers: ObserverSet,
+    stage: str = "t",
+    upstream: tuple[str, ...] = ("s",),
+    send: trio.MemorySendChannel[StageInput] | None = None,
+) -> StageFeed:
+    # a stage taking its upstream's whole input: without a channel (deferred), it starts
+    # only once that input is complete
+    return StageFeed(
+        stage,
+        upstream,
+        stream=False,
+        processor=token_handoff,
+        options={},
+        send=send,
+        request_id=req.request_id,
+        observers=observers,
+    )
+
+
+async def test_outputs_go_out_in_order_and_a_normal_end_without_a_finished_one_stops():
+    req = request()
+    observers, events = observed()
+    outbox: OutputQueue[StageOutput] = OutputQueue(4)
+    for tok in (1, 2):
+        outbox.send_nowait(out(tok))
+    outbox.send_final_nowait(COMPLETED)
+    outbox.close()
+    ready = await route_stage(req, "s", outbox, (), True, observers, record)
+    assert list(ready) == []
+    assert queued(req) == [("s", out(1)), ("s", out(2)), ("s", STOPPED)]
+    assert req.lifecycle.stage_finished("s") and not req.lifecycle.failed
+    assert events.seen == [
+        ("started", "s"),
+        ("output", "s", True),
+        ("output", "s", False),
+        ("output", "s", False),
+        ("finished", "s", "finished"),
+    ]
+
+
+async def test_an_outbox_ended_without_completed_is_no_normal_end():
+    # the backend failed or was aborted: no STOPPED output, nothing made ready
+    req = request()
+    observers, events = observed()
+    feed = feed_to(req, observers)
+    outbox: OutputQueue[StageOutput] = OutputQueue(4)
+    outbox.send_nowait(out(1))
+    outbox.close()
+    ready = await route_stage(req, "s", outbox, (feed,), True, observers, record)
+    assert list(ready) == []
+    assert queued(req) == [("s", out(1))]
+    assert not req.lifecycle.stage_finished("s")
+    assert events.seen[-1] == ("finished", "s", "aborted")
+
+
+async def test_a_normal_end_makes_a_deferred_downstream_stage_ready_with_its_whole_input():
+    req = request()
+    observers = ObserverSet()
+    feed = feed_to(req, observers)
+    outbox: OutputQueue[StageOutput] = OutputQueue(4)
+    outbox.send_nowait(out(5))
+    outbox.send_nowait(out(6, finished=True))
+    outbox.send_final_nowait(COMPLETED)
+    outbox.close()
+    ready = await route_stage(req, "s", outbox, (feed,), True, observers, record)
+    ((made_ready, chunk),) = ready
+    assert made_ready is feed
+    assert chunk is not None and chunk.token_ids == (5, 6) and chunk.final
+
+
+async def test_an_output_after_the_finished_one_fails_the_request_without_raising():
+    req = request()
+    observers, events = observed()
+    outbox: OutputQueue[StageOutput] = OutputQueue(4)
+    outbox.send_nowait(out(1, finished=True))
+    outbox.send_nowait(out(2))
+    outbox.send_final_nowait(COMPLETED)
+    outbox.close()
+    ready = await route_stage(req, "s", outbox, (), True, observers, record)
+    assert list(ready) == []
+    assert req.lifecycle.failed
+    (error,) = req.lifecycle.errors
+    assert isinstance(error, StageError) and error.stage_id == "s"
+    assert queued(req) == [("s", out(1, finished=True))]
+    assert events.seen[-1] == ("finished", "s", "failed")
+
+
+async def test_unstreamed_outputs_after_the_first_are_routed_when_the_outbox_is_full():
+    req = request()
+    outbox: OutputQueue[StageOutput] = OutputQueue(2)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(route_stage, req, "s", outbox, (), False, ObserverSet(), record)
+        await trio.testing.wait_all_tasks_blocked()
+        outbox.send_nowait(out(1))
+        await trio.testing.wait_all_tasks_blocked()
+        assert queued(req) == [("s", out(1))]  # the first one at once (its time is a metric)
+        outbox.send_nowait(out(2))
+        await trio.testing.wait_all_tasks_blocked()
+        assert queued(req) == []  # batched: the routing task still waits
+        outbox.send_nowait(out(3))  # the outbox is full: both go
+        await trio.testing.wait_all_tasks_blocked()
+        assert queued(req) == [("s", out(2)), ("s", out(3))]
+        outbox.close()
+
+
+def test_finish_feeds_sends_a_running_stage_its_chunk_and_readies_a_deferred_one():
+    req = request()
+    observers = ObserverSet()
+    deferred = feed_to(req, observers)
+    send, _receive = trio.open_memory_channel[StageInput](1)
+    running = feed_to(req, observers, "u", ("s", "v"), send)
+    deferred.take("s", out(7, finished=True))
+    ready: list[tuple[StageFeed, StageInput | None]] = []
+    assert finish_feeds("s", (deferred, running), ready) == []  # "u" still waits for "v"
+    assert [(f, c.token_ids if c else None) for f, c in ready] == [(deferred, (7,))]
+    running.take("v", out(8, finished=True))
+    to_send = finish_feeds("v", (running,), ready)
+    assert [(f, c.token_ids if c else None) for f, c in to_send] == [(running, (8,))]
