@@ -68,7 +68,10 @@ def _report_hang(item: pytest.Item) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
-    timeout = float(item.config.getini("timeout") or 0)
+    try:
+        timeout = float(item.config.getini("timeout") or 0)
+    except ValueError:  # pytest-timeout is not installed: no timeout, no report
+        timeout = 0.0
     if timeout <= HANG_REPORT_LEAD_S:
         return (yield)
     timer = threading.Timer(timeout - HANG_REPORT_LEAD_S, _report_hang, args=(item,))
