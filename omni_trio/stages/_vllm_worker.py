@@ -11,53 +11,36 @@ worker is a small asyncio program behind a thread boundary, and every crossing i
 loop-agnostic (``call_soon_threadsafe`` inwards, the bridge's non-blocking sends outwards).
 
 Commands (:class:`Submit`, :class:`Abort`, :class:`Resume`, :class:`Rpc`) arrive through
-:meth:`EngineWorker.command` (thread-safe). Outputs leave in one batch per engine step on the
-replica's output bridge (:mod:`._vllm_outputs`); the worker reports its life (its start
-outcome, then :class:`Died`) on an event bridge, and closes both as its last act.
-
-vLLM's own input preprocessing may hand work to a private executor; every prompt is rendered
-here first (the renderer's ``render_cmpl`` path), so ``add_request`` never needs one.
+:meth:`EngineWorker.command` (thread-safe); the worker answers RPCs itself and hands the
+others to the started engine's :class:`~._vllm_requests.EngineRequests`. Outputs leave in one
+batch per engine step on the replica's output bridge (:mod:`._vllm_outputs`); the worker
+reports its life (its start outcome, then :class:`Died`) on an event bridge, and closes both
+as its last act.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import anyio
 import outcome
 
-from ..errors import ConfigError, InvalidRequestError, ReplicaDeadError, StageStartError
-from ..outputs import StageInput
+from ..errors import ConfigError, ReplicaDeadError, StageStartError
 from ..transport.bridge import BridgeSender
-from ._vllm_inputs import render, sampling_params
-from ._vllm_outputs import LiveRequest, StepOutputs
 from ._vllm_process import SpawnWindow, engine_core_children, import_vllm, kill, reap
 from ._vllm_process import shutdown_engine as _shutdown
-from ._vllm_protocol import (
-    END,
-    Abort,
-    Batch,
-    Died,
-    Ready,
-    Resume,
-    Rpc,
-    Segment,
-    Submit,
-    engine_died,
-    merge_engine_args,
-)
-from ._vllm_streaming import Segments, collect_segments, segment_stream, streamable
+from ._vllm_protocol import Batch, Died, Ready, Rpc, Submit, merge_engine_args
+from ._vllm_requests import EngineRequests, RequestCommand
 
 logger = logging.getLogger(__name__)
 
-Command = Submit | Segment | Abort | Resume | Rpc
+Command = RequestCommand | Rpc
 
 
 class EngineWorker:
@@ -98,10 +81,8 @@ class EngineWorker:
         self._inbox_lock = threading.Lock()
         self._inbox: list[Command] = []  # commands not yet taken by the loop
         self._inbox_scheduled = False
-        self._tasks: dict[str, asyncio.Task[None]] = {}  # request id -> its task
-        self._segments: dict[str, Segments] = {}  # segmented requests' input queues
         self._rpcs: set[asyncio.Task[None]] = set()
-        self._outputs: StepOutputs | None = None
+        self._requests: EngineRequests | None = None  # once the engine started
 
     # -- from the backend's thread ----------------------------------------------------------
     def run(self) -> None:
@@ -168,7 +149,14 @@ class EngineWorker:
             self._evt_tx.send_nowait(outcome.Error(exc))
             self._after_failed_start()
             return
-        self._outputs = StepOutputs(self.name, self._loop, self._out_tx, self.v.EngineDeadError)
+        self._requests = EngineRequests(
+            name=self.name,
+            v=self.v,
+            engine=self.engine,
+            loop=self._loop,
+            out_tx=self._out_tx,
+            mm_scope=self.mm_scope,
+        )
         try:
             if self._stop_requested.is_set():
                 return
@@ -258,43 +246,17 @@ class EngineWorker:
 
     # -- commands ---------------------------------------------------------------------------
     def _command(self, cmd: Command) -> None:
-        outputs = self._outputs
-        if isinstance(cmd, Submit):
-            if outputs is None or self._stop_requested.is_set():
-                # never started, or stopping: the request fails at once
-                self._refuse(cmd)
-                return
-            # tracked before its task runs: an Abort, Resume or Segment may come first
-            live = outputs.add(cmd.request_id, cmd.flow)
-            if cmd.segmented:
-                self._segments[cmd.request_id] = asyncio.Queue()
-            task = self._loop.create_task(self._request(cmd, outputs, live))
-            task.add_done_callback(functools.partial(self._request_done, cmd.request_id))
-            self._tasks[cmd.request_id] = task
-        elif isinstance(cmd, Abort):
-            running = self._tasks.get(cmd.request_id)
-            if running is not None:
-                running.cancel()
-        elif isinstance(cmd, Segment):
-            segments = self._segments.get(cmd.request_id)
-            if segments is not None:
-                segments.put_nowait(cmd.chunk)
-        elif isinstance(cmd, Resume):
-            if outputs is not None and cmd.request_id in outputs:
-                outputs.mark(cmd.request_id)
-        else:
+        if isinstance(cmd, Rpc):
             rpc = self._loop.create_task(self._rpc(cmd))
             self._rpcs.add(rpc)
             rpc.add_done_callback(self._rpcs.discard)
-
-    def _request_done(self, request_id: str, task: asyncio.Task[None]) -> None:
-        # A task aborted before its first step never ran its body (nor its finally): end
-        # the request here. Otherwise _request already did.
-        outputs = self._outputs
-        if outputs is not None and request_id in outputs:
-            outputs.remove(request_id)
-            self._tasks.pop(request_id, None)
-            outputs.post(request_id, END)
+            return
+        requests = self._requests
+        if isinstance(cmd, Submit) and (requests is None or self._stop_requested.is_set()):
+            # never started, or stopping: the request fails at once
+            self._refuse(cmd)
+        elif requests is not None:
+            requests.command(cmd)
 
     def _refuse(self, sub: Submit) -> None:
         error = ReplicaDeadError(f"replica {self.name} is stopping")
@@ -303,97 +265,16 @@ class EngineWorker:
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass
 
-    async def _request(self, sub: Submit, outputs: StepOutputs, live: LiveRequest) -> None:
-        """One request's life in the engine: add it, wait until its last output was taken
-        (by the step flush) or it failed, and abort it in the engine if it did not finish.
-        Its outputs never pass through this task. Cancelled by an Abort command."""
-        v, engine, rid = self.v, self.engine, sub.request_id
-        assert v is not None
-        added = False
-        try:
-            options = sub.options
-            try:
-                # a segmented request streams its outputs: vLLM refuses FINAL_ONLY for it
-                params = sampling_params(
-                    v, sub.sampling_params, sub.final_only and not sub.segmented
-                )
-                if options is None:
-                    prompt = render(v, engine, sub.prompt, self.mm_scope)
-                else:
-                    # tokenization_kwargs apply where the prompt is tokenized: here
-                    options = dict(options)
-                    tokenize = options.pop("tokenization_kwargs", None)
-                    prompt = render(v, engine, sub.prompt, self.mm_scope, tokenize)
-                if sub.segmented:
-                    tok = None if options is None else tokenize
-                    prompt = await self._segmented_prompt(sub, params, prompt, tok)
-            except (InvalidRequestError, v.ValidationError, ValueError, TypeError) as exc:
-                outputs.post(rid, outcome.Error(_as_invalid(exc)))
-                return
-            added = True
-            if options is None:
-                collector = await engine.add_request(rid, prompt, params)
-            else:
-                try:
-                    collector = await engine.add_request(rid, prompt, params, **options)
-                except (v.ValidationError, ValueError, TypeError) as exc:
-                    # vLLM refused an option (a LoRA on an engine without enable_lora ...)
-                    outputs.post(rid, outcome.Error(_as_invalid(exc)))
-                    return
-            outputs.watch(rid, collector)
-            await live.done.wait()
-        except asyncio.CancelledError:
-            pass  # aborted: below, vLLM drops it before the backend hears END
-        except v.EngineDeadError as exc:
-            outputs.post(rid, engine_died(self.name, exc))
-        except Exception as exc:
-            outputs.post(rid, outcome.Error(exc))
-        finally:
-            # first out of the flush's sight: the abort below puts vLLM's own "abort" output
-            # into the collector, which nobody must take
-            outputs.remove(rid)
-            self._tasks.pop(rid, None)
-            self._segments.pop(rid, None)
-            if not live.finished:
-                try:
-                    if added:
-                        # by our id: also covers an add cancelled before it returned
-                        await asyncio.shield(self._abort_in_engine(rid))
-                finally:
-                    outputs.post(rid, END)
-
-    async def _segmented_prompt(
-        self, sub: Submit, params: Any, first: Any, tokenize: Mapping[str, Any] | None
-    ) -> Any:
-        # vLLM's streaming input (_vllm_streaming), or, for params it cannot stream, every
-        # segment merged into one prompt once the input ended
-        v, engine = self.v, self.engine
-        assert v is not None
-        segments = self._segments[sub.request_id]
-
-        def render_one(chunk: StageInput) -> Any:
-            return render(v, engine, chunk, self.mm_scope, tokenize)
-
-        if streamable(params, v.FINAL_ONLY):
-            return segment_stream(v.StreamingInput, first, segments, render_one)
-        return render_one(await collect_segments(sub.prompt, segments))
-
-    async def _abort_in_engine(self, request_id: str) -> None:
-        assert self.v is not None
-        try:
-            await self.engine.abort(request_id)
-        except self.v.EngineDeadError:
-            pass  # nothing left to abort in a dead engine
-
     async def _end_tasks(self) -> None:
         """Cancel every request and RPC task and wait for them: each request posts its END
         after vLLM dropped it, and the last flush sends them."""
-        tasks = [*self._tasks.values(), *self._rpcs]
+        requests = self._requests
+        tasks = [*(requests.tasks.values() if requests is not None else ()), *self._rpcs]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._outputs is not None:
-            self._outputs.flush()
+        if requests is not None:
+            requests.outputs.flush()
 
     async def _rpc(self, rpc: Rpc) -> None:
         reply: outcome.Outcome[Any]
@@ -441,15 +322,8 @@ class EngineWorker:
         self.engine = None
 
     def __repr__(self) -> str:
+        requests = len(self._requests) if self._requests is not None else 0
         return (
             f"<EngineWorker {self.name} engine={'up' if self.engine is not None else 'none'} "
-            f"requests={len(self._tasks)} rpcs={len(self._rpcs)} core_pids={self.core_pids}>"
+            f"requests={requests} rpcs={len(self._rpcs)} core_pids={self.core_pids}>"
         )
-
-
-def _as_invalid(exc: BaseException) -> InvalidRequestError:
-    if isinstance(exc, InvalidRequestError):
-        return exc
-    err = InvalidRequestError(f"invalid request for vllm: {type(exc).__name__}: {exc}")
-    err.__cause__ = exc
-    return err
