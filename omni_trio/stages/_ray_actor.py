@@ -27,17 +27,27 @@ from ..transport import codec
 from ._abc import StageAborted, StageBackend
 from .factory import create_backend
 
-__all__ = ["BATCH", "ERROR", "ReplicaActor", "ReplicaHost", "error_record", "raise_record"]
+__all__ = [
+    "BATCH",
+    "ERROR",
+    "STARTED",
+    "ReplicaActor",
+    "ReplicaHost",
+    "error_record",
+    "raise_record",
+]
 
 #: a request's failure on the wire: (exception type name, message, stage_id)
 ErrorRecord = tuple[str, str, str | None]
 
-# what a run's stream carries: (BATCH, encoded outputs) items, then maybe (ERROR, record);
-# between the host and the actor's loop, one (OUTPUT, StageOutput) per emit
+# what a run's stream carries: (STARTED, None) first when more input is to come, then
+# (BATCH, encoded outputs) items, then maybe (ERROR, record); between the host and the
+# actor's loop, one (OUTPUT, StageOutput) per emit
 BATCH = 0
 ERROR = 1
 _OUTPUT = 2
 _END = (3, None)
+STARTED = 4
 
 
 def error_record(exc: BaseException) -> ErrorRecord:
@@ -94,12 +104,16 @@ class ReplicaHost:
     ) -> None:
         """Run one request on the backend; ``post`` each output, then an error record if it
         failed. An emit waits for credit: at most ``window`` outputs posted and not yet
-        acknowledged (:meth:`ack`)."""
+        acknowledged (:meth:`ack`). With ``more_input``, ``(STARTED, None)`` is posted first,
+        once :meth:`send_input` can take the request's chunks: the caller sends none before
+        it (Ray runs an async actor's calls in no set order, and the host's tasks start in no
+        set order either, so a chunk sent earlier could find no request and be refused)."""
         send, receive = trio.open_memory_channel[Any](max(window, 1))
         for chunk in codec.decode_inputs(first):
             send.send_nowait(chunk)
         if more_input:
             self._inputs[request_id] = send
+            post((STARTED, None))
         else:
             send.close()
         credit = self._credit[request_id] = trio.Semaphore(max(window, 1))

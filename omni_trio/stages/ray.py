@@ -11,8 +11,9 @@ replicas.
   process unless ``address`` names a cluster), check that some node can hold the placement
   (else :class:`StageStartError` saying what was asked and what the nodes have, at once),
   create the actor and start its backend, bounded by the stage's init timeout.
-- **Requests**: the input crosses with the call (or chunk by chunk for a ``stream_input``
-  stage or a ``streaming_input`` request), outputs come back as one Ray object per batch
+- **Requests**: the input crosses with the call (or its first chunk does, and the rest
+  follow one call each for a ``stream_input`` stage or a ``streaming_input`` request, once
+  the actor's stream said the request takes them), outputs come back as one Ray object per batch
   (what the backend emitted together), at most ``window`` batches in flight; a batch's
   outputs go on through ``emit.nowait`` while it takes them (:mod:`._emit`). Cancelling a
   request ``ray.cancel``-s the call; the actor aborts it in its backend before the call ends,
@@ -40,7 +41,7 @@ from ..outputs import Payload, StageInput
 from ..transport import codec
 from ._abc import Emit, InputStream, StageBackend, collect_input
 from ._emit import never, nowait_of
-from ._ray_actor import BATCH, ReplicaActor, raise_record
+from ._ray_actor import BATCH, STARTED, ReplicaActor, raise_record
 from ._ray_link import RayLink, RemoteStream
 
 __all__ = ["RayBackend", "placement_problem"]
@@ -231,11 +232,12 @@ class RayBackend(StageBackend):
         stream = RemoteStream(link, gen, WINDOW, _identity)
         try:
             if not more:
-                await self._relay(request_id, stream, emit)
+                await self._relay(request_id, stream, emit, None)
                 return
+            started = trio.Event()
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._forward_input, request_id, inputs)
-                done = await outcome.acapture(self._relay, request_id, stream, emit)
+                nursery.start_soon(self._forward_input, request_id, inputs, started)
+                done = await outcome.acapture(self._relay, request_id, stream, emit, started)
                 nursery.cancel_scope.cancel()
             done.unwrap()
         finally:
@@ -253,7 +255,9 @@ class RayBackend(StageBackend):
                 if scope.cancelled_caught:
                     logger.warning("%s: abort of %r not confirmed in time", self.name, request_id)
 
-    async def _relay(self, request_id: str, stream: RemoteStream, emit: Emit) -> None:
+    async def _relay(
+        self, request_id: str, stream: RemoteStream, emit: Emit, started: trio.Event | None
+    ) -> None:
         # A batch's outputs go through emit's fast path while it takes them (no checkpoint
         # each), then, from the first one it refuses, through the awaited emit, in order.
         # Checkpoints at every batch (stream.receive always does); no cancellation can be
@@ -273,6 +277,9 @@ class RayBackend(StageBackend):
                     request_id=request_id,
                     replica=self.replica,
                 ) from exc
+            if kind == STARTED and started is not None:
+                started.set()
+                continue
             if kind != BATCH:
                 raise_record(payload, request_id)
             outs = iter(codec.decode_outputs(payload))
@@ -283,9 +290,14 @@ class RayBackend(StageBackend):
             for out in outs:
                 await emit(out)
 
-    async def _forward_input(self, request_id: str, inputs: InputStream) -> None:
-        # chunk by chunk, each acknowledged before the next: they arrive in order
+    async def _forward_input(
+        self, request_id: str, inputs: InputStream, started: trio.Event
+    ) -> None:
+        # chunk by chunk, each acknowledged before the next: they arrive in order; none
+        # before the actor said the request takes them (a chunk that overtook the run call
+        # was refused, and the request then waited for it forever)
         assert self._link is not None
+        await started.wait()
         async for chunk in inputs:
             sent = await self._link.call(
                 self._actor.send_input.remote(request_id, codec.encode_inputs([chunk]))
