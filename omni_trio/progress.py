@@ -126,24 +126,33 @@ async def open_engine_with_progress(engine: Any, stream: TextIO) -> AsyncIterato
     ``stream`` shows its start-up; yield it once every stage is ready; leave it on exit.
 
     Checkpoints. Cancellation during the start-up stops what started (as the engine's own
-    ``async with`` does) and ends the display. Raises what entering the engine raises.
+    ``async with`` does) and ends the display. Raises what entering the engine raises, and
+    what the body raises, as raised (not in an exception group).
     """
     display = StartupDisplay(Console(file=stream, highlight=False))
     for st in engine.config.stages:
         display.add_stage(st.id, st.backend)
     # The engine's own nursery opens inside this one (scopes nest), and the redraw task
     # is done before the engine is handed out.
-    async with trio.open_nursery() as nursery:
-        redraw = trio.CancelScope()
-        nursery.start_soon(_redraw, display, engine, redraw)
-        async with AsyncExitStack() as stack:
-            try:
-                with display.progress, reporting_to(display):
-                    await stack.enter_async_context(engine)
-                    display.tick(engine)  # the final state of every line
-            finally:
-                redraw.cancel()
-            yield engine
+    try:
+        async with trio.open_nursery() as nursery:
+            redraw = trio.CancelScope()
+            nursery.start_soon(_redraw, display, engine, redraw)
+            async with AsyncExitStack() as stack:
+                try:
+                    with display.progress, reporting_to(display):
+                        await stack.enter_async_context(engine)
+                        display.tick(engine)  # the final state of every line
+                finally:
+                    redraw.cancel()
+                yield engine
+    except BaseExceptionGroup as group:
+        # the redraw task raises nothing of its own: a group of one holds what entering the
+        # engine or the body raised, which the caller gets as it was raised
+        if len(group.exceptions) != 1:
+            raise
+        error = group.exceptions[0]
+        raise error from error.__cause__  # `from None` would erase the error's own cause
 
 
 async def _redraw(display: StartupDisplay, engine: Any, scope: trio.CancelScope) -> None:

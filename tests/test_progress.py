@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import trio
 from rich.console import Console
 
 from omni_trio.engine import open_engine
+from omni_trio.errors import StageStartError
 from omni_trio.models.progress import report_step, reporting_to
 from omni_trio.progress import StartupDisplay, open_engine_with_progress, phase_label
 
@@ -57,6 +59,29 @@ async def test_cancelled_start_ends_the_display_and_the_engine(
     assert scope.cancelled_caught and engine.closed
     shown = stream.getvalue()
     assert "a (scripted): " in shown and "ready" not in shown  # cut while starting
+
+
+async def test_a_failed_start_raises_its_own_error_not_a_group(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    stream = io.StringIO()
+    failing = {"stages": [{"id": "a", "options": {"fail_start": True}, "final_output": True}]}
+    engine = open_engine(failing)
+    with pytest.raises(StageStartError, match="'a'") as info:
+        async with open_engine_with_progress(engine, stream):
+            raise AssertionError("the stage fails to start: never reached")
+    assert info.value.__cause__ is not None  # what the stage raised is kept
+    assert engine.closed
+
+
+async def test_the_body_error_reaches_the_caller_as_raised(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = open_engine(PIPELINE)
+    with pytest.raises(KeyError, match="from the body"):
+        async with open_engine_with_progress(engine, io.StringIO()):
+            raise KeyError("from the body")
+    assert engine.closed
 
 
 async def test_build_steps_reach_the_display_from_worker_threads() -> None:
