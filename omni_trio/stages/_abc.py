@@ -317,10 +317,17 @@ class StageBackend(abc.ABC):
         """
         return await self._requests.interact(request_id, payload, self._interact)
 
-    async def _interact(self, request_id: str, payload: Payload) -> None:
+    @property
+    def takes_interactions(self) -> bool:
+        """Whether this backend implements ``_interact`` (the base class takes none)."""
+        return type(self)._interact is not StageBackend._interact
+
+    async def _interact(self, request_id: str, payload: Payload) -> bool | None:
         """Accept an interaction for a request running here (:meth:`interact` checked that it
         is). Default: this backend takes none, :class:`InvalidRequestError` naming the stage.
-        Called in the caller's task; return once the payload is accepted."""
+        Called in the caller's task; return once the payload is accepted, or return ``False``
+        if it was not delivered because the request turned out to have ended (where it runs
+        elsewhere: a Ray actor)."""
         raise InvalidRequestError(
             f"stage {self.stage_id!r} ({self.backend_name} backend) takes no interactions: "
             f"its backend does not implement _interact"

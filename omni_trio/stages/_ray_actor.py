@@ -40,7 +40,8 @@ __all__ = [
 #: a request's failure on the wire: (exception type name, message, stage_id)
 ErrorRecord = tuple[str, str, str | None]
 
-# what a run's stream carries: (STARTED, None) first when more input is to come, then
+# what a run's stream carries: (STARTED, None) first when announced (more input to come, or a
+# backend that takes interactions: the caller sends neither before it), then
 # (BATCH, encoded outputs) items, then maybe (ERROR, record); between the host and the
 # actor's loop, one (OUTPUT, StageOutput) per emit
 BATCH = 0
@@ -99,21 +100,22 @@ class ReplicaHost:
         streamed: bool,
         context: bytes | None,
         more_input: bool,
+        announce: bool,
         window: int,
         post: Callable[[tuple[int, Any]], None],
     ) -> None:
         """Run one request on the backend; ``post`` each output, then an error record if it
         failed. An emit waits for credit: at most ``window`` outputs posted and not yet
-        acknowledged (:meth:`ack`). With ``more_input``, ``(STARTED, None)`` is posted first,
-        once :meth:`send_input` can take the request's chunks: the caller sends none before
-        it (Ray runs an async actor's calls in no set order, and the host's tasks start in no
-        set order either, so a chunk sent earlier could find no request and be refused)."""
+        acknowledged (:meth:`ack`). With ``announce``, ``(STARTED, None)`` is posted first,
+        once :meth:`send_input` and :meth:`interact` find the request: the caller sends
+        neither before it (Ray runs an async actor's calls in no set order, and the host's
+        tasks start in no set order either, so a chunk or an interaction sent earlier could
+        find no request, be refused, and be lost)."""
         send, receive = trio.open_memory_channel[Any](max(window, 1))
         for chunk in codec.decode_inputs(first):
             send.send_nowait(chunk)
         if more_input:
             self._inputs[request_id] = send
-            post((STARTED, None))
         else:
             send.close()
         credit = self._credit[request_id] = trio.Semaphore(max(window, 1))
@@ -125,6 +127,10 @@ class ReplicaHost:
         ctx = None if context is None else codec.decode_context(context)
         sp = codec.decode_value(params)
         try:
+            if announce:
+                # run_request registers the request before its first checkpoint: an
+                # interaction that crosses after this finds it running
+                post((STARTED, None))
             await self.backend.run_request(
                 request_id, receive, sp, emit, streamed=streamed, context=ctx
             )
@@ -195,10 +201,12 @@ class ReplicaActor:
     async def _on_host(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wrap_future(self._portal.start_task_soon(fn, *args))
 
-    async def start(self) -> None:
-        """Start the backend; return when it is ready (raise what its start raised)."""
+    async def start(self) -> bool:
+        """Start the backend; return when it is ready (raise what its start raised), with
+        whether it takes interactions."""
         future, _ = await asyncio.to_thread(self._portal.start_task, self._host.serve)
         self._serving = future
+        return self._host.backend.takes_interactions
 
     async def sentinel(self) -> str:
         """Return when the backend died or stopped (its reason); fails with the actor."""
@@ -213,6 +221,7 @@ class ReplicaActor:
         streamed: bool,
         context: bytes | None,
         more_input: bool,
+        announce: bool,
         window: int,
     ) -> AsyncIterator[tuple[int, Any]]:
         """One request's outputs, a batch per item (call with ``num_returns="streaming"``).
@@ -224,7 +233,16 @@ class ReplicaActor:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         running = self._portal.start_task_soon(
-            self._host.run, request_id, first, params, streamed, context, more_input, window, post
+            self._host.run,
+            request_id,
+            first,
+            params,
+            streamed,
+            context,
+            more_input,
+            announce,
+            window,
+            post,
         )
         running.add_done_callback(lambda _: post(_END))
         self._runs[request_id] = running

@@ -164,7 +164,10 @@ class RequestTable:
         ) from error
 
     async def interact(
-        self, request_id: str, payload: Payload, hook: Callable[[str, Payload], Awaitable[None]]
+        self,
+        request_id: str,
+        payload: Payload,
+        hook: Callable[[str, Payload], Awaitable[bool | None]],
     ) -> bool:
         """Deliver ``payload`` to running ``request_id`` through ``hook`` (the backend's
         ``_interact``); see :meth:`StageBackend.interact
@@ -175,7 +178,7 @@ class RequestTable:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return False
         try:
-            await hook(request_id, payload)
+            delivered = await hook(request_id, payload)
         except trio.Cancelled:
             raise
         except (InvalidRequestError, StageError):
@@ -189,9 +192,10 @@ class RequestTable:
                 stage_id=self.stage_id,
                 request_id=request_id,
             ) from exc
-        # accepted: a schedule point that a cancellation cannot turn into a lost delivery
+        # accepted (or found ended elsewhere): a schedule point that a cancellation cannot
+        # turn into a lost delivery
         await trio.lowlevel.cancel_shielded_checkpoint()
-        return True
+        return delivered is not False
 
     async def abort(self, request_id: str) -> list[StageOutput]:
         """Abort a running request; returns its outputs so far.

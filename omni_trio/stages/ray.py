@@ -18,6 +18,9 @@ replicas.
   outputs go on through ``emit.nowait`` while it takes them (:mod:`._emit`). Cancelling a
   request ``ray.cancel``-s the call; the actor aborts it in its backend before the call ends,
   and ``_run`` returns only after that (bounded by ``abort_timeout_s``).
+- **Interactions**: when the actor's backend takes them (it says so at start), each request's
+  stream opens with STARTED, and an interaction waits for it before it crosses: sent
+  earlier, it could reach the actor before the request and be lost there.
 - **Death**: a sentinel call per actor returns when its backend dies and fails when the actor
   does (a killed process or node): the replica dies then, failing exactly its requests, and
   the pool's restart policy applies. ``health_timeout_s``: an actor that does not answer a
@@ -36,7 +39,13 @@ import msgspec
 import outcome
 import trio
 
-from ..errors import InvalidRequestError, ReplicaDeadError, StageStartError, StageStopError
+from ..errors import (
+    InvalidRequestError,
+    ReplicaDeadError,
+    StageError,
+    StageStartError,
+    StageStopError,
+)
 from ..outputs import Payload, StageInput
 from ..transport import codec
 from ._abc import Emit, InputStream, StageBackend, collect_input
@@ -86,6 +95,10 @@ class RayBackend(StageBackend):
         self._actor: Any = None
         self._run_remote: Any = None
         self._unresponsive = False  # its health call timed out: it is killed, not stopped
+        self._interactive = False  # the backend in the actor takes interactions
+        # request id -> set once the actor's host has the request (or it ended here): what
+        # an interaction waits for (requests of an interactive backend only)
+        self._started: dict[str, trio.Event] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
     async def _start(self) -> None:
@@ -120,7 +133,7 @@ class RayBackend(StageBackend):
                 msgspec.json.encode(inner), self.stage_index, self.replica, self.shutdown_timeout
             )
         )
-        await link.call(self._actor.start.remote())
+        self._interactive = bool(await link.call(self._actor.start.remote()))
         # built once: .options() per request costs more than the call itself
         self._run_remote = self._actor.run.options(
             num_returns="streaming", _generator_backpressure_num_objects=WINDOW
@@ -208,6 +221,26 @@ class RayBackend(StageBackend):
     async def _run(
         self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
     ) -> None:
+        # registered before the first checkpoint: an interaction finds it as soon as the
+        # request runs here
+        started = trio.Event()
+        if self._interactive:
+            self._started[request_id] = started
+        try:
+            await self._run_on_actor(request_id, inputs, sampling_params, emit, started)
+        finally:
+            if self._interactive:
+                del self._started[request_id]
+            started.set()  # an interaction waiting for the actor finds the request gone
+
+    async def _run_on_actor(
+        self,
+        request_id: str,
+        inputs: InputStream,
+        sampling_params: Any,
+        emit: Emit,
+        started: trio.Event,
+    ) -> None:
         link = self._link
         assert link is not None
         more = self._takes_segments(request_id)
@@ -227,14 +260,14 @@ class RayBackend(StageBackend):
             self.outputs_streamed(request_id),
             None if context is None else codec.encode_context(context),
             more,
+            more or self._interactive,  # the actor announces the request: STARTED
             WINDOW,
         )
         stream = RemoteStream(link, gen, WINDOW, _identity)
         try:
             if not more:
-                await self._relay(request_id, stream, emit, None)
+                await self._relay(request_id, stream, emit, started)
                 return
-            started = trio.Event()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._forward_input, request_id, inputs, started)
                 done = await outcome.acapture(self._relay, request_id, stream, emit, started)
@@ -321,14 +354,35 @@ class RayBackend(StageBackend):
             raise_record(reply["__error__"], "")
         return reply
 
-    async def _interact(self, request_id: str, payload: Payload) -> None:
-        assert self._link is not None
-        reply = await self._link.call(
-            self._actor.interact.remote(request_id, codec.encode_value(payload))
+    async def _interact(self, request_id: str, payload: Payload) -> bool:
+        # Sent once the actor's host has the request (STARTED): sent earlier, it could reach
+        # the host first and be refused there. The remote call is shielded (bounded): once
+        # sent, the payload may be delivered, and a cancellation must not report otherwise.
+        link = self._link
+        assert link is not None
+        if not self._interactive:
+            raise InvalidRequestError(
+                f"stage {self.stage_id!r} ({self.config.backend} backend, on Ray) takes no "
+                "interactions: its backend does not implement _interact"
+            )
+        started = self._started.get(request_id)
+        if started is None:  # not running here (the caller checked: it does)
+            return False
+        await started.wait()
+        if self._started.get(request_id) is not started:
+            return False  # it ended here while the actor was starting it
+        ref = self._actor.interact.remote(request_id, codec.encode_value(payload))
+        with trio.move_on_after(ABORT_TIMEOUT_S, shield=True):
+            reply = await link.call(ref)
+            if isinstance(reply, dict) and "__error__" in reply:
+                raise_record(reply["__error__"], request_id)
+            return bool(reply)  # False: the request ended in the actor
+        raise StageError(
+            f"replica {self.name}: its Ray actor did not answer an interaction with request "
+            f"{request_id!r} within {ABORT_TIMEOUT_S}s",
+            stage_id=self.stage_id,
+            request_id=request_id,
         )
-        if isinstance(reply, dict) and "__error__" in reply:
-            name, message, _ = reply["__error__"]
-            raise InvalidRequestError(message)
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]} on Ray ({self.config.backend})>"

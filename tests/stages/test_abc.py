@@ -9,7 +9,7 @@ import trio.testing
 
 from omni_trio import ReplicaDeadError, StageError, StageRPCError, StageStopError, load_config
 from omni_trio.outputs import StageInput, StageOutput
-from omni_trio.stages._abc import StageAborted
+from omni_trio.stages._abc import StageAborted, StageBackend
 from omni_trio.stages._requests import request_outcome
 from omni_trio.stages.scripted import ScriptedBackend
 
@@ -336,3 +336,13 @@ async def test_early_errors_still_checkpoint(autojump_clock):
             await run(b, "r")
     with trio.testing.assert_checkpoints():
         assert await b.abort("r") == []
+
+
+class NoInteractions(ScriptedBackend):
+    _interact = StageBackend._interact
+
+
+def test_takes_interactions_says_whether_the_backend_implements_interact():
+    # a Ray actor tells its caller this at start: only then does each request announce itself
+    assert backend().takes_interactions
+    assert not backend(NoInteractions).takes_interactions

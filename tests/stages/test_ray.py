@@ -409,6 +409,31 @@ async def test_a_stream_input_stage_on_ray_takes_its_input_as_it_comes():
     assert await no_ray_left() == []
 
 
+async def test_an_interaction_sent_at_once_reaches_the_request_in_the_actor():
+    # sent right after the request is admitted, usually before the actor has it: it waits
+    # for the actor's STARTED (before, it was refused there and lost, yet reported delivered)
+    cfg = {
+        "stages": [
+            {
+                "id": "a",
+                "final_output": True,
+                "options": {"outputs": 20, "latency_s": 0.05},
+                "placement": {"ray": {"num_cpus": 0.5}},
+            }
+        ]
+    }
+    async with omni_trio.open_engine(cfg) as engine:
+        for i in range(5):
+            async with engine.generate("hi", request_id=f"r{i}") as stream:
+                assert await stream.interact({"stop": True}) is True
+                outs = [o async for o in stream]
+            assert outs[-1].finish_reason == "stop" and len(outs) < 20
+        # a request that ended: nothing is delivered, and it says so
+        assert await engine.interact("r0", {"stop": True}) is False
+        assert engine.statistics().requests_in_flight == 0
+    assert await no_ray_left() == []
+
+
 async def test_a_consumer_cancelled_at_each_checkpoint_leaves_nothing_in_the_actor():
     # b on Ray takes a's output as it streams; a consumer cancelled at each of its
     # checkpoints (submitting, while the actor streams, leaving) must leave no request in

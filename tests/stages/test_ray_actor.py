@@ -25,14 +25,18 @@ def chunk(*tokens: int, final: bool) -> bytes:
     return codec.encode_inputs([StageInput(token_ids=tokens, final=final)])
 
 
-async def run(h: ReplicaHost, first: bytes, *, more: bool, posted: list, started: trio.Event):
+async def run(
+    h: ReplicaHost, first: bytes, *, more: bool, posted: list, started: trio.Event, announce=None
+):
     def post(item):
         posted.append(item)
         if item[0] == STARTED:
             started.set()
 
     none = codec.encode_value(None)
-    await h.run("r", first, none, True, None, more, 16, post)
+    await h.run(
+        "r", first, none, True, None, more, more if announce is None else announce, 16, post
+    )
 
 
 async def test_a_request_with_more_input_says_started_before_anything_else(autojump_clock):
@@ -59,6 +63,35 @@ async def test_a_request_with_more_input_says_started_before_anything_else(autoj
     assert h.backend.statistics().requests_in_flight == 0
     # the request has ended: a late chunk is refused, not queued
     assert await h.send_input("r", chunk(9, final=True)) is False
+
+
+async def test_an_announced_request_takes_interactions_once_started(autojump_clock):
+    # a backend that takes interactions: every request is announced, and an interaction
+    # that crosses after STARTED finds it (the caller sends none before)
+    h = host(stream_input=False)
+    assert h.backend.takes_interactions
+    posted: list = []
+    started = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(h.serve)
+        assert await h.interact("r", codec.encode_value({"stop": True})) is False
+        async with trio.open_nursery() as runs:
+            runs.start_soon(
+                lambda: run(
+                    h,
+                    chunk(1, final=True),
+                    more=False,
+                    posted=posted,
+                    started=started,
+                    announce=True,
+                )
+            )
+            await started.wait()
+            assert posted[0] == (STARTED, None)
+            assert await h.interact("r", codec.encode_value({"stop": True})) is True
+        nursery.cancel_scope.cancel()
+    assert posted[-1][1].finished and posted[-1][1].finish_reason == "stop"
+    assert h.backend.interactions["r"] == [{"stop": True}]
 
 
 async def test_a_request_with_all_its_input_posts_no_started(autojump_clock):
