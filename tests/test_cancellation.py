@@ -138,6 +138,31 @@ async def test_harness_reports_a_leak(autojump_clock):
             report.raise_if_failed()
 
 
+async def test_harness_reports_a_run_that_stalls_instead_of_hanging(autojump_clock):
+    """A run that waits for what never comes, before its k-th checkpoint, would never be
+    cancelled: it is cut at run_timeout and reported (as a lost wake-up was not, once)."""
+    calls = 0
+
+    async def stalls_when_probed(engine: Engine) -> None:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            await trio.sleep_forever()  # one checkpoint, then nothing ever wakes it
+        await engine.generate("x").collect()
+
+    cfg = scripted_pipeline(1, outputs=2, latency_s=1.0)
+    async with omni_trio.open_engine(cfg) as engine:
+        t0 = trio.current_time()
+        report = await cancel_at_every_checkpoint(engine, stalls_when_probed, run_timeout=30.0)
+        stalled = [f.k for f in report.failures if "run_timeout=30.0s" in f.problem]
+        assert stalled == list(range(2, report.runs))  # k=0 and k=1 are cancelled in time
+        assert trio.current_time() - t0 >= 30.0 * len(stalled)
+        calls = 1  # from now on every call stalls, the uncancelled one too
+        with pytest.raises(trio.TooSlowError, match="the uncancelled run"):
+            await cancel_at_every_checkpoint(engine, stalls_when_probed, run_timeout=30.0)
+        assert in_flight_problems(engine) == []
+
+
 async def test_cancel_every_checkpoint_of_rpc_and_of_aborting_many(autojump_clock):
     """collective_rpc and abort([...]) cancelled at each of their checkpoints leave no RPC
     pending, no request half-aborted, and the engine serving."""

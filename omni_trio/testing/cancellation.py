@@ -111,26 +111,33 @@ def _seed_scheduler(seed: int) -> None:
 
 
 async def _run_once(
-    engine: Engine, scenario: Scenario, cancel_at: int | None, seed: int
+    engine: Engine, scenario: Scenario, cancel_at: int | None, seed: int, run_timeout: float
 ) -> tuple[int, BaseException | None]:
     counter = _CheckpointCounter(cancel_at)
     error: BaseException | None = None
     _seed_scheduler(seed)
     trio.lowlevel.add_instrument(counter)
     try:
-        with trio.CancelScope() as scope:
-            counter.scope = scope
-            if cancel_at == 0:
-                scope.cancel()  # cancelled before it starts: before admission, say
-            counter.tasks.add(trio.lowlevel.current_task())
-            try:
-                await scenario(engine)
-            except trio.Cancelled:
-                raise
-            except Exception as exc:
-                error = exc
+        with trio.move_on_after(run_timeout) as limit:
+            with trio.CancelScope() as scope:
+                counter.scope = scope
+                if cancel_at == 0:
+                    scope.cancel()  # cancelled before it starts: before admission, say
+                counter.tasks.add(trio.lowlevel.current_task())
+                try:
+                    await scenario(engine)
+                except trio.Cancelled:
+                    raise
+                except Exception as exc:
+                    error = exc
     finally:
         trio.lowlevel.remove_instrument(counter)
+    if limit.cancelled_caught:
+        where = "the uncancelled run" if cancel_at is None else f"run {cancel_at}"
+        error = trio.TooSlowError(
+            f"{where} of the scenario did not end within run_timeout={run_timeout}s "
+            f"(it waits for something that never comes)"
+        )
     return counter.count, error
 
 
@@ -141,6 +148,7 @@ async def cancel_at_every_checkpoint(
     invariant: Invariant | None = None,
     max_checkpoints: int = 10_000,
     settle_timeout: float = 60.0,
+    run_timeout: float = 600.0,
 ) -> CancellationReport:
     """Run ``await scenario(engine)`` once to count its checkpoints ``n``, then ``n + 1`` more
     times, cancelling run ``k`` exactly at its ``k``-th checkpoint (run 0: already cancelled
@@ -153,10 +161,13 @@ async def cancel_at_every_checkpoint(
     The uncancelled run must succeed (its exception propagates). A cancelled run that raised
     something other than ``Cancelled`` is reported as a failure, as is a run that left work in
     flight (the harness then waits, up to ``settle_timeout`` seconds, for the engine to be idle
-    before the next run). Raises ValueError if the scenario passes more than
-    ``max_checkpoints``.
+    before the next run). A run still going after ``run_timeout`` seconds (trio's clock) is
+    cancelled and reported: one that waits for what never comes does not reach its ``k``-th
+    checkpoint, so it would never be cancelled (under an autojump clock it is reported at
+    once). Raises ValueError if the scenario passes more than ``max_checkpoints``;
+    ``trio.TooSlowError`` if the uncancelled run overran ``run_timeout``.
     """
-    count, error = await _run_once(engine, scenario, None, seed=0)
+    count, error = await _run_once(engine, scenario, None, 0, run_timeout)
     if error is not None:
         raise error
     if invariant is not None:
@@ -165,7 +176,7 @@ async def cancel_at_every_checkpoint(
         raise ValueError(f"the scenario passed {count} checkpoints, over max_checkpoints")
     failures: list[CancellationFailure] = []
     for k in range(count + 1):
-        _, error = await _run_once(engine, scenario, k, seed=k)
+        _, error = await _run_once(engine, scenario, k, k, run_timeout)
         problems = in_flight_problems(engine)
         if error is not None:
             problems.insert(0, f"the scenario raised {type(error).__name__}: {error}")
