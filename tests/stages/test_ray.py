@@ -63,6 +63,11 @@ def pipeline(on_ray: bool, **stage_b: object) -> dict:
     return {"stages": [{"id": "a", "options": {"outputs": 3}}, b]}
 
 
+def one_stage_on_ray(**options: object) -> dict:
+    stage = {"id": "a", "final_output": True, "options": options}
+    return {"stages": [{**stage, "placement": {"ray": {"num_cpus": 0.5}}}]}
+
+
 async def run_all(engine, prompts):
     return [
         [(o.stage_id, o.token_ids, o.finished) for o in await engine.generate(p).collect()]
@@ -412,16 +417,7 @@ async def test_a_stream_input_stage_on_ray_takes_its_input_as_it_comes():
 async def test_an_interaction_sent_at_once_reaches_the_request_in_the_actor():
     # sent right after the request is admitted, usually before the actor has it: it waits
     # for the actor's STARTED (before, it was refused there and lost, yet reported delivered)
-    cfg = {
-        "stages": [
-            {
-                "id": "a",
-                "final_output": True,
-                "options": {"outputs": 20, "latency_s": 0.05},
-                "placement": {"ray": {"num_cpus": 0.5}},
-            }
-        ]
-    }
+    cfg = one_stage_on_ray(outputs=20, latency_s=0.05)
     async with omni_trio.open_engine(cfg) as engine:
         for i in range(5):
             async with engine.generate("hi", request_id=f"r{i}") as stream:
@@ -431,6 +427,26 @@ async def test_an_interaction_sent_at_once_reaches_the_request_in_the_actor():
         # a request that ended: nothing is delivered, and it says so
         assert await engine.interact("r0", {"stop": True}) is False
         assert engine.statistics().requests_in_flight == 0
+    assert await no_ray_left() == []
+
+
+async def test_an_interaction_cancelled_at_each_checkpoint_leaves_nothing_in_the_actor():
+    # entering, interacting (waiting for the actor's STARTED, the shielded call), reading,
+    # leaving: cancelled at each, no request is left here or in the actor
+    cfg = one_stage_on_ray(outputs=4, latency_s=0.02)
+    async with omni_trio.open_engine(cfg) as engine:
+
+        async def consumer(engine: omni_trio.Engine) -> None:
+            async with engine.generate("hi") as stream:
+                await stream.interact({"note": 1})
+                async for _out in stream:
+                    pass
+
+        report = await cancel_at_every_checkpoint(engine, consumer, run_timeout=60.0)
+        report.raise_if_failed()
+        assert report.runs == report.checkpoints + 1 >= 8  # 11 when measured
+        (stats,) = await engine.collective_rpc("stats", stage_ids=["a"])
+        assert stats.requests_in_flight == 0 and stats.requests_aborted >= 1
     assert await no_ray_left() == []
 
 
