@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -114,6 +115,19 @@ def pipeline(
 PROMPT = list(range(1, 17))
 
 
+async def _timed(concurrency: int, one: Callable[[int], Awaitable[None]]) -> tuple[float, float]:
+    """Run ``one(i)`` for every ``i < concurrency`` at once: (wall s, CPU s) of the lot."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    async with trio.open_nursery() as nursery:
+        for i in range(concurrency):
+            nursery.start_soon(one, i)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _rates(delivered: int, wall: float, cpu: float) -> dict[str, float]:
+    return {"wall_s": wall, "outputs_per_s": delivered / wall, "outputs_per_cpu_s": delivered / cpu}
+
+
 async def run_omni(n_stages: int, concurrency: int, outputs: int) -> dict[str, float]:
     cfg = pipeline(n_stages, outputs)
     delivered = 0
@@ -125,14 +139,10 @@ async def run_omni(n_stages: int, concurrency: int, outputs: int) -> dict[str, f
                 async for _ in stream:
                     delivered += 1
 
-        t0, c0 = time.perf_counter(), time.process_time()
-        async with trio.open_nursery() as nursery:
-            for i in range(concurrency):
-                nursery.start_soon(one, i)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        wall, cpu = await _timed(concurrency, one)
         assert engine.statistics().requests_in_flight == 0
     assert delivered == concurrency * outputs
-    return {"wall_s": wall, "outputs_per_s": delivered / wall, "outputs_per_cpu_s": delivered / cpu}
+    return _rates(delivered, wall, cpu)
 
 
 async def run_floor(n_stages: int, concurrency: int, outputs: int) -> dict[str, float]:
@@ -161,14 +171,10 @@ async def run_floor(n_stages: int, concurrency: int, outputs: int) -> dict[str, 
                     delivered += len(got)
                 chunk = StageInput(token_ids=tuple(got))
 
-        t0, c0 = time.perf_counter(), time.process_time()
-        async with trio.open_nursery() as inner:
-            for i in range(concurrency):
-                inner.start_soon(one, i)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        wall, cpu = await _timed(concurrency, one)
         nursery.cancel_scope.cancel()
     assert delivered == concurrency * outputs
-    return {"wall_s": wall, "outputs_per_s": delivered / wall, "outputs_per_cpu_s": delivered / cpu}
+    return _rates(delivered, wall, cpu)
 
 
 async def run_floor_consumer(n_stages: int, concurrency: int, outputs: int) -> dict[str, float]:
@@ -210,14 +216,10 @@ async def run_floor_consumer(n_stages: int, concurrency: int, outputs: int) -> d
                 async for _ in out_receive:
                     delivered += 1
 
-        t0, c0 = time.perf_counter(), time.process_time()
-        async with trio.open_nursery() as inner:
-            for i in range(concurrency):
-                inner.start_soon(one, i)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        wall, cpu = await _timed(concurrency, one)
         nursery.cancel_scope.cancel()
     assert delivered == concurrency * outputs
-    return {"wall_s": wall, "outputs_per_s": delivered / wall, "outputs_per_cpu_s": delivered / cpu}
+    return _rates(delivered, wall, cpu)
 
 
 async def hop_latency(n_requests: int, outputs: int) -> dict[str, float]:
