@@ -34,7 +34,7 @@ from ._inputs import InputStream as InputStream
 from ._inputs import collect_input as collect_input
 from ._inputs import merge_inputs as merge_inputs
 from ._replica import DEFAULT_SHUTDOWN_TIMEOUT as DEFAULT_SHUTDOWN_TIMEOUT
-from ._replica import ReplicaView, unavailable_error
+from ._replica import ReplicaView, death_reason, unavailable_error
 from ._replica import is_cancellation as is_cancellation
 from ._replica import no_live_replica as no_live_replica
 from ._request_table import RequestTable
@@ -184,7 +184,7 @@ class StageBackend(abc.ABC):
                 try:
                     await self._serve_forever()
                 except Exception as exc:
-                    self._die(exc)
+                    self._die(death_reason(exc))
             self._die(ReplicaDeadError(f"replica {self.name} stopped serving unexpectedly"))
         except BaseException as exc:
             cancelled = is_cancellation(exc)

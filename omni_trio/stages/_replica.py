@@ -1,7 +1,8 @@
 """Small pieces of a replica's contract: its stop default, its cancellation test, its errors.
 
 :data:`DEFAULT_SHUTDOWN_TIMEOUT` bounds a replica's stop when nothing else does;
-:func:`is_cancellation` tells a shutdown (cancellation) from a failure;
+:func:`is_cancellation` tells a shutdown (cancellation) from a failure; :func:`death_reason`
+is what a replica's crash is recorded as;
 :func:`unavailable_error` and :func:`no_live_replica` build the typed errors for a replica
 that cannot take work and a stage that has none that can. All pure. :class:`ReplicaView` is
 the narrow view of a replica that its request table and RPC calls get.
@@ -15,11 +16,13 @@ from dataclasses import dataclass
 import trio
 
 from ..errors import NoLiveReplicaError, ReplicaDeadError
+from ..failures import single_leaf
 from ..outputs import ReplicaState
 
 __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT",
     "ReplicaView",
+    "death_reason",
     "is_cancellation",
     "no_live_replica",
     "unavailable_error",
@@ -35,6 +38,17 @@ def is_cancellation(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return exc.split(trio.Cancelled)[1] is None
     return isinstance(exc, trio.Cancelled)
+
+
+def death_reason(exc: Exception) -> Exception:
+    """What a replica that crashed with ``exc`` records as its death: the one exception
+    inside a group of one (a backend's nursery wraps what its task raised, and the group's
+    own message, "Exceptions from Trio nursery", names nothing), else ``exc`` itself. Pure."""
+    if isinstance(exc, ExceptionGroup):
+        leaf = single_leaf(exc)
+        if isinstance(leaf, Exception):
+            return leaf
+    return exc
 
 
 @dataclass(frozen=True, slots=True)

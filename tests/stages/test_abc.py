@@ -10,6 +10,7 @@ import trio.testing
 from omni_trio import ReplicaDeadError, StageError, StageRPCError, StageStopError, load_config
 from omni_trio.outputs import StageInput, StageOutput
 from omni_trio.stages._abc import StageAborted, StageBackend
+from omni_trio.stages._replica import death_reason
 from omni_trio.stages._requests import request_outcome
 from omni_trio.stages.scripted import ScriptedBackend
 
@@ -57,6 +58,16 @@ class ServeEndsOnEvent(ScriptedBackend):
 
 class ServeReturns(ServeEndsOnEvent):
     how = "return"
+
+
+class ServeRaisesInNursery(ServeEndsOnEvent):
+    """The reader runs beside a helper task in a nursery, as the ray, vllm and torch
+    backends' do: what it raises reaches ``serve`` wrapped in a group of one."""
+
+    async def _serve_forever(self):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)
+            await super()._serve_forever()
 
 
 class EmitsTwice(ScriptedBackend):
@@ -121,7 +132,7 @@ async def test_failed_start_is_dead_and_raises(autojump_clock):
     assert b.state == "dead" and b.stop_failure is None
 
 
-@pytest.mark.parametrize("cls", [ServeEndsOnEvent, ServeReturns])
+@pytest.mark.parametrize("cls", [ServeEndsOnEvent, ServeReturns, ServeRaisesInNursery])
 async def test_death_after_readiness_fails_bound_requests(autojump_clock, caplog, cls):
     b = backend(cls, hang=True)
     async with trio.open_nursery() as nursery:
@@ -144,8 +155,10 @@ async def test_death_after_readiness_fails_bound_requests(autojump_clock, caplog
     assert b.state == "dead"
     assert sorted(e.request_id for e in errors) == ["r1", "r2"]
     assert all(e.replica == 0 and e.stage_id == "a" and "a[0]" in str(e) for e in errors)
-    if cls is ServeEndsOnEvent:
-        assert "reader lost its connection" in str(errors[0])
+    if cls is not ServeReturns:
+        # the reader's own error, not the nursery's group around it
+        assert "is dead: OSError: reader lost its connection" in str(errors[0])
+        assert isinstance(b.death, OSError)
     stats = b.statistics()
     assert (stats.requests_failed, stats.requests_aborted, stats.requests_in_flight) == (2, 0, 0)
     died = [r for r in caplog.records if "died" in r.getMessage()]
@@ -346,3 +359,11 @@ def test_takes_interactions_says_whether_the_backend_implements_interact():
     # a Ray actor tells its caller this at start: only then does each request announce itself
     assert backend().takes_interactions
     assert not backend(NoInteractions).takes_interactions
+
+
+def test_death_reason_is_the_one_error_inside_a_group_of_one():
+    boom = OSError("boom")
+    assert death_reason(boom) is boom
+    assert death_reason(ExceptionGroup("nursery", [ExceptionGroup("inner", [boom])])) is boom
+    several = ExceptionGroup("nursery", [boom, ValueError("bad")])
+    assert death_reason(several) is several

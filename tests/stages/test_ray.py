@@ -17,6 +17,7 @@ import threading
 import psutil
 import pytest
 import trio
+import trio.testing
 
 import omni_trio
 from omni_trio import ReplicaDeadError, StageError, StageStartError
@@ -427,6 +428,74 @@ async def test_an_interaction_sent_at_once_reaches_the_request_in_the_actor():
         # a request that ended: nothing is delivered, and it says so
         assert await engine.interact("r0", {"stop": True}) is False
         assert engine.statistics().requests_in_flight == 0
+    assert await no_ray_left() == []
+
+
+async def test_an_interaction_the_actor_does_not_answer_fails_naming_the_limit(monkeypatch):
+    # a hung actor (SIGSTOP): the interaction's shielded call is bounded, and the error
+    # says so; once the actor runs again the request ends normally
+    monkeypatch.setattr(ray_stage, "ABORT_TIMEOUT_S", 0.5)
+    cfg = one_stage_on_ray(outputs=20, latency_s=0.02)
+    async with omni_trio.open_engine(cfg) as engine:
+        replica = engine.pools["a"].replica(0)
+        assert isinstance(replica, RayBackend)
+        pid = await replica.actor_pid()
+        async with engine.generate("hi", request_id="r") as stream:
+            first = await stream.receive()
+            assert not first.finished
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(StageError, match=r"did not answer an interaction") as caught:
+                    await stream.interact({"note": 1})
+                assert "within 0.5s" in str(caught.value)
+                assert caught.value.stage_id == "a" and caught.value.request_id == "r"
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            rest = [o async for o in stream]
+        assert rest[-1].finished
+        assert engine.statistics().requests_in_flight == 0
+        assert engine.pools["a"].statistics().replicas[0].restarts == 0
+    assert await no_ray_left() == []
+
+
+async def test_an_actor_killed_during_an_interaction_fails_it_with_a_stage_error():
+    # the actor dies while the interaction's remote call waits for it: a StageError naming
+    # the replica, caused by Ray's error; the request fails as the replica's death
+    cfg = one_stage_on_ray(outputs=20, latency_s=0.02)
+    cfg["stages"][0].update(restart="on-failure", restart_backoff_s=0.1)
+    async with omni_trio.open_engine(cfg) as engine:
+        pool = engine.pools["a"]
+        replica = pool.replica(0)
+        assert isinstance(replica, RayBackend)
+        pid = await replica.actor_pid()
+        interaction: list[BaseException] = []
+
+        async def interact(stream: omni_trio.RequestStream) -> None:
+            try:
+                await stream.interact({"note": 1})
+            except StageError as exc:
+                interaction.append(exc)
+
+        with pytest.raises(ReplicaDeadError, match="Ray actor died"):
+            async with engine.generate("hi", request_id="r") as stream:
+                await stream.receive()
+                os.kill(pid, signal.SIGSTOP)  # the call is sent and waits for an answer
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(interact, stream)
+                    await trio.testing.wait_all_tasks_blocked()
+                    os.kill(pid, signal.SIGKILL)
+                async for _out in stream:
+                    pass
+        (error,) = interaction
+        assert isinstance(error, StageError) and error.stage_id == "a"
+        assert f"replica {replica.name}" in str(error) and "interaction" in str(error)
+        assert error.__cause__ is not None
+        with trio.fail_after(60):
+            await pool.wait_settled()
+        assert pool.statistics().replicas[0].restarts == 1
+        assert engine.statistics().requests_in_flight == 0
+        (later,) = await run_all(engine, ["x"])
+        assert later[-1][2]
     assert await no_ray_left() == []
 
 
