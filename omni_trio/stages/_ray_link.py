@@ -12,10 +12,14 @@ an existing cluster; ``None``: a local Ray started for this process, with this m
 and the last one to stop disconnects, shutting a local Ray down (its processes exit). One
 address per process: a second, different one is refused.
 
-A cluster's ``host:port`` is probed with a plain TCP connection first: ``ray.init`` against an
-address where nothing listens keeps retrying (Ray 2.60: 20 tries of ~41 s each; still trying
-after 5 minutes when measured), and a worker thread blocked in it cannot be cancelled, so
-the stage's init timeout could not end the wait.
+A cluster's ``host:port`` is probed first: ``ray.init`` against an address where nothing
+listens keeps retrying (Ray 2.60: 20 tries of ~41 s each; still trying after 5 minutes when
+measured), and so does one against a server that is not Ray's; a worker thread blocked in it
+cannot be cancelled, so the stage's init timeout could not end the wait. The probe opens a TCP
+connection and sends the HTTP/2 connection preface: Ray's GCS and a Ray Client server are gRPC
+servers and answer with a SETTINGS frame; anything else (an HTTP/1.1 answer, a closed
+connection, silence) fails the start at once, naming what answered. With ``RAY_USE_TLS`` set
+only the TCP connection is probed (the TLS handshake is ``ray.init``'s).
 """
 
 from __future__ import annotations
@@ -42,8 +46,14 @@ T = TypeVar("T")
 
 # ray.shutdown of a local Ray takes ~1-2 s; a link that has not disconnected by then is stuck
 SHUTDOWN_TIMEOUT_S = 60.0
-#: seconds a cluster's address may take to accept a TCP connection (a host that drops it)
+#: seconds a cluster's address may take to accept a TCP connection (a host that drops it),
+#: and then to answer the HTTP/2 preface
 PROBE_TIMEOUT_S = 10.0
+#: the HTTP/2 client connection preface, then an empty SETTINGS frame: a gRPC server's first
+#: frame in return is its own SETTINGS frame (RFC 9113, section 3.4)
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes((0, 0, 0, 4, 0, 0, 0, 0, 0))
+_H2_FRAME_HEAD = 9  # bytes: length (3), type (1), flags (1), stream id (4)
+_H2_SETTINGS = 4  # the SETTINGS frame type
 
 
 def cluster_endpoint(address: str | None) -> tuple[str, int] | None:
@@ -209,16 +219,54 @@ class RayLink:
 
 
 def _probe(address: str | None, endpoint: tuple[str, int], stage_id: str) -> None:
+    # Blocking, bounded by PROBE_TIMEOUT_S twice (connect, answer). See the module docstring.
+    no_cluster = f"no Ray cluster answers at {address} (placement.ray.address)"
+    where = f"{endpoint[0]}:{endpoint[1]}"
     try:
-        with socket.create_connection(endpoint, timeout=PROBE_TIMEOUT_S):
-            pass
+        sock = socket.create_connection(endpoint, timeout=PROBE_TIMEOUT_S)
     except OSError as exc:
         raise StageStartError(
             stage_id,
-            f"no Ray cluster answers at {address} (placement.ray.address): a TCP connection "
-            f"to {endpoint[0]}:{endpoint[1]} failed within {PROBE_TIMEOUT_S:g}s: "
+            f"{no_cluster}: a TCP connection to {where} failed within {PROBE_TIMEOUT_S:g}s: "
             f"{type(exc).__name__}: {exc}",
         ) from exc
+    with sock:
+        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+            return
+        try:
+            sock.sendall(_H2_PREFACE)
+            head = _receive_up_to(sock, _H2_FRAME_HEAD)
+        except TimeoutError as exc:
+            raise StageStartError(
+                stage_id,
+                f"{no_cluster}: {where} accepted a TCP connection but did not answer an HTTP/2 "
+                f"preface within {PROBE_TIMEOUT_S:g}s, as Ray's gRPC servers do",
+            ) from exc
+        except OSError as exc:  # reset or broken pipe: it hung up
+            raise _not_grpc(stage_id, no_cluster, where, f"closed the connection ({exc})") from exc
+    if len(head) < _H2_FRAME_HEAD or head[3] != _H2_SETTINGS:
+        answer = f"answered {head!r}" if head else "closed the connection"
+        raise _not_grpc(stage_id, no_cluster, where, answer)
+
+
+def _not_grpc(stage_id: str, no_cluster: str, where: str, answer: str) -> StageStartError:
+    return StageStartError(
+        stage_id,
+        f"{no_cluster}: {where} accepted a TCP connection but does not speak HTTP/2 (gRPC) as "
+        f"Ray's servers do: to the HTTP/2 preface it {answer}",
+    )
+
+
+def _receive_up_to(sock: socket.socket, n: int) -> bytes:
+    """Up to ``n`` bytes from ``sock``: fewer only if the peer closed. Blocking (the socket's
+    timeout bounds each read)."""
+    got = b""
+    while len(got) < n:
+        chunk = sock.recv(n - len(got))
+        if not chunk:
+            break
+        got += chunk
+    return got
 
 
 async def _awaited(ref: Any) -> Any:

@@ -13,6 +13,8 @@ import socket
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import psutil
 import pytest
@@ -22,6 +24,7 @@ import trio.testing
 import omni_trio
 from omni_trio import ReplicaDeadError, StageError, StageStartError
 from omni_trio.server.metrics import EngineMetrics
+from omni_trio.stages import _ray_link as ray_link
 from omni_trio.stages import ray as ray_stage
 from omni_trio.stages._ray_link import RayLink, cluster_endpoint
 from omni_trio.stages.ray import RayBackend, placement_problem
@@ -328,6 +331,17 @@ def causes(exc: BaseException) -> list[BaseException]:
     return chain
 
 
+async def start_failure(address: str) -> StageStartError:
+    """The error an engine whose stage b is placed on Ray at ``address`` fails to start with."""
+    cfg = pipeline(True)
+    cfg["stages"][1]["placement"] = {"ray": {"address": address, "num_cpus": 0.5}}
+    with trio.fail_after(60):
+        with pytest.raises(StageStartError) as info:
+            async with omni_trio.open_engine(cfg):
+                pass
+    return info.value
+
+
 @pytest.mark.parametrize(
     ("where", "cause"),
     [("dead", ConnectionRefusedError), ("no port", ValueError)],
@@ -337,20 +351,68 @@ async def test_a_ray_address_that_cannot_be_joined_fails_the_start_naming_it(whe
     # nothing listens on a free port (refused by the probe, before ray.init); a port Ray
     # cannot parse makes ray.init itself fail, on the link's thread
     address = f"127.0.0.1:{free_port()}" if where == "dead" else "127.0.0.1:noport"
-    cfg = pipeline(True)
-    cfg["stages"][1]["placement"] = {"ray": {"address": address, "num_cpus": 0.5}}
-    with trio.fail_after(60):
-        with pytest.raises(StageStartError) as info:
-            async with omni_trio.open_engine(cfg):
-                pass
-    assert info.value.stage_id == "b"
-    assert address in str(info.value) and "placement.ray.address" in str(info.value)
-    assert isinstance(causes(info.value)[-1], cause)
+    error = await start_failure(address)
+    assert error.stage_id == "b"
+    assert address in str(error) and "placement.ray.address" in str(error)
+    assert isinstance(causes(error)[-1], cause)
     # nothing of ours is left: no link, no link thread, no Ray connection or process
     assert RayLink._current is None
     assert [t for t in threading.enumerate() if t.name == "omni-trio-ray-link"] == []
     assert not sys.modules["ray"].is_initialized()
     assert await no_ray_left() == []
+
+
+async def _answers_http1(stream: trio.SocketStream) -> None:
+    await stream.receive_some()
+    await stream.send_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+
+async def _silent(stream: trio.SocketStream) -> None:
+    await trio.sleep_forever()
+
+
+async def _hangs_up(stream: trio.SocketStream) -> None:
+    await stream.aclose()
+
+
+@pytest.mark.parametrize(
+    ("server", "said"),
+    [
+        (_answers_http1, "it answered b'HTTP/1.1 '"),
+        (_silent, "did not answer an HTTP/2 preface within 0.5s"),
+        (_hangs_up, "it closed the connection"),
+    ],
+    ids=["http1-server", "silent-server", "hangs-up"],
+)
+async def test_an_address_where_a_server_that_is_not_ray_listens_fails_the_start_at_once(
+    monkeypatch, server, said
+):
+    # ray.init against a server that is not Ray's hangs (an engine start that never ends):
+    # the probe sees that no gRPC (HTTP/2) server answers, before ray.init is called
+    monkeypatch.setattr(ray_link, "PROBE_TIMEOUT_S", 0.5)
+    async with trio.open_nursery() as nursery:
+        (listener,) = await nursery.start(partial(trio.serve_tcp, server, 0, host="127.0.0.1"))
+        address = f"127.0.0.1:{listener.socket.getsockname()[1]}"
+        error = await start_failure(address)
+        nursery.cancel_scope.cancel()
+    message = str(error)
+    assert error.stage_id == "b" and f"no Ray cluster answers at {address}" in message
+    assert "accepted a TCP connection" in message and said in message
+    assert RayLink._current is None and not sys.modules["ray"].is_initialized()
+
+
+async def test_the_probe_takes_a_grpc_server_as_ray_does():
+    # a real gRPC server (as Ray's GCS and Ray Client server are) passes the probe
+    grpc = pytest.importorskip("grpc")
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        await trio.to_thread.run_sync(
+            ray_link._probe, f"127.0.0.1:{port}", ("127.0.0.1", port), "b"
+        )
+    finally:
+        server.stop(None)
 
 
 async def test_a_local_ray_outlives_the_thread_that_connected():
