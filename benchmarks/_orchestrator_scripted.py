@@ -166,8 +166,11 @@ async def run_floor(n_stages: int, concurrency: int, outputs: int) -> dict[str, 
                 async def emit(out, got=got) -> None:
                     got.extend(out.token_ids)
 
-                await b.run_request(f"r{i}", receive, None, emit)
-                if k == len(backends) - 1:
+                # nobody streams an intermediate stage: its output comes whole, as omni-trio
+                # asks (and as a hand-driven vllm program asks for FINAL_ONLY)
+                last = k == len(backends) - 1
+                await b.run_request(f"r{i}", receive, None, emit, streamed=last)
+                if last:
                     delivered += len(got)
                 chunk = StageInput(token_ids=tuple(got))
 
@@ -205,7 +208,7 @@ async def run_floor_consumer(n_stages: int, concurrency: int, outputs: int) -> d
                         if last:
                             out_send.send_nowait(out)
 
-                    await b.run_request(f"r{i}", receive, None, emit)
+                    await b.run_request(f"r{i}", receive, None, emit, streamed=last)
                     chunk = StageInput(token_ids=tuple(got))
 
         async def one(i: int) -> None:

@@ -47,8 +47,9 @@ def expand_for_failure(prompt, sampling_params):
 
 
 def recording_processor(upstream, *, final, options):
-    """What b's input processor sees: every source's outputs; hands the parent's on."""
-    SEEN.append({key: len(outs) for key, outs in upstream.items()})
+    """What b's input processor sees: how many tokens each source's outputs carry (they
+    come whole or as deltas); hands the parent's on."""
+    SEEN.append({key: sum(len(o.token_ids) for o in outs) for key, outs in upstream.items()})
     return token_handoff({k: v for k, v in upstream.items() if ":" not in k}, final=final)
 
 

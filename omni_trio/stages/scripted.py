@@ -28,11 +28,16 @@ prompts) or the token ids it was given. Output ``k`` carries ``token_ids == (T[k
 token_offset,)`` and ``text == f"{stage_id}:{token} "``. So a chain of scripted stages adds
 ``token_offset`` per hop, and a test can tell which stage's output reached which stage. The
 finished output carries ``metrics == {"output_index": k}``; the others carry none. With
-``stream_input: true`` output ``k`` is produced as soon as input token ``k`` has arrived.
+``stream_input: true`` output ``k`` is produced as soon as input token ``k`` has arrived. A
+request whose outputs nobody needs as they come (``outputs_streamed`` is false: no caller
+reads the stage and no ``stream_input`` stage takes them) gets its finished output only,
+carrying every token and the whole text, at the time its last output would have come: a vllm
+stage asks vLLM for ``FINAL_ONLY`` output then.
 
 Interactions (``engine.interact`` / ``stream.interact``): ``{"stop": True}`` finishes the
 request now: it cuts short the wait the request is in (its input, its latency, a hang), and
-its next output is its finished one, empty, with ``finish_reason="stop"``. A stop that
+its next output is its finished one, empty (with the tokens so far when the outputs go out
+whole), with ``finish_reason="stop"``. A stop that
 arrives while the request is not waiting (an output is being delivered, or a zero-latency
 stage is at its schedule point before one) takes effect right after that output. Every
 interaction, the stop included, is recorded.
@@ -150,6 +155,17 @@ def scripted_tokens(inputs: Sequence[int], n_outputs: int, offset: int = 1) -> l
     return [inputs[k % len(inputs)] + offset for k in range(n_outputs)]
 
 
+def _whole(stage_id: str, tokens: Sequence[int], reason: str, k: int) -> StageOutput:
+    """A finished output carrying ``tokens`` (none: an empty stop output). Pure."""
+    return StageOutput(
+        token_ids=tuple(tokens),
+        text="".join(f"{stage_id}:{token} " for token in tokens),
+        finished=True,
+        finish_reason=reason,
+        metrics={"output_index": k},
+    )
+
+
 def _input_tokens(chunk: StageInput) -> tuple[int, ...]:
     if chunk.token_ids:
         return chunk.token_ids
@@ -226,6 +242,9 @@ class ScriptedBackend(StageBackend):
         # the emit's fast path: an output delivered at once needs no awaited emit (its
         # coroutines); the awaited one decides every other case (waits, aborts, raises)
         nowait = nowait_of(emit)
+        # nobody needs the outputs as they come: its tokens go out whole, in the finished one
+        final_only = not self.outputs_streamed(request_id)
+        held: list[int] = []
         k = 0
         # a stop cut a wait short: output k is the stop output
         stopped = False
@@ -274,24 +293,27 @@ class ScriptedBackend(StageBackend):
                     )
                 token = tokens[k % len(tokens)] + offset if tokens else offset + k
                 last = k == n_outputs - 1
-                out = StageOutput(
-                    token_ids=(token,),
-                    text=f"{self.stage_id}:{token} ",
-                    finished=last,
-                    finish_reason="length" if last else None,
-                    # metrics once per request, on its finished output (as vllm's)
-                    metrics={"output_index": k} if last else None,
-                )
-                if nowait is None or not nowait(out):
-                    await emit(out)
+                if final_only:
+                    held.append(token)
+                    if last:
+                        await emit(_whole(self.stage_id, held, "length", k))
+                else:
+                    out = StageOutput(
+                        token_ids=(token,),
+                        text=f"{self.stage_id}:{token} ",
+                        finished=last,
+                        finish_reason="length" if last else None,
+                        # metrics once per request, on its finished output (as vllm's)
+                        metrics={"output_index": k} if last else None,
+                    )
+                    if nowait is None or not nowait(out):
+                        await emit(out)
                 if live.stop:
                     k += 1
                     break
             if live.stop and (stopped or k < n_outputs):
                 # stopped by an interaction: the next output is the finished one, empty
-                await emit(
-                    StageOutput(finished=True, finish_reason="stop", metrics={"output_index": k})
-                )
+                await emit(_whole(self.stage_id, held, "stop", k))
             self.completed.append(request_id)
         except trio.Cancelled:
             self.aborted.append(request_id)

@@ -128,7 +128,7 @@ SEEN = []
 
 def record(upstream, *, final, options, context=None):
     SEEN.append((context.request_id, context.stage_id, context.prompt, context.sampling_params,
-                 {k: len(v) for k, v in upstream.items()}))
+                 {k: sum(len(o.token_ids) for o in v) for k, v in upstream.items()}))
     return original_prompt(upstream, final=final, options=options, context=context)
 
 def old_style(upstream, *, final, options):

@@ -36,6 +36,17 @@ async def run(b, rid, *chunks, params=None):
     return outs
 
 
+async def run_whole(b, rid, *chunks):
+    """Run a request nobody streams (``streamed=False``): [(trio time, output)]."""
+    outs = []
+
+    async def emit(o):
+        outs.append((trio.current_time(), o))
+
+    await b.run_request(rid, channel(*chunks), None, emit, streamed=False)
+    return outs
+
+
 async def test_outputs_latency_and_records(autojump_clock):
     b = backend(outputs=3, latency_s=2.0, token_offset=100)
     async with trio.open_nursery() as nursery:
@@ -54,6 +65,41 @@ async def test_outputs_latency_and_records(autojump_clock):
         assert b.statistics().requests_finished == 2
         nursery.cancel_scope.cancel()
     assert not b.alive
+
+
+async def test_outputs_nobody_streams_go_out_whole_at_the_last_outputs_time(autojump_clock):
+    # as a vllm stage asks vLLM for FINAL_ONLY: one finished output, every token and the
+    # whole text, when the streamed run's last output comes
+    b = backend(outputs=3, latency_s=2.0, token_offset=100)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.serve)
+        t0 = trio.current_time()
+        chunk = StageInput(token_ids=(1, 2))
+        ((at, out),) = await run_whole(b, "r", chunk)
+        assert at - t0 == pytest.approx(6.0)
+        assert out.token_ids == (101, 102, 101) and out.text == "a:101 a:102 a:101 "
+        assert out.finished and out.finish_reason == "length"
+        assert out.metrics == {"output_index": 2}
+        streamed = await run(b, "s", chunk)
+        assert tuple(t for o in streamed for t in o.token_ids) == out.token_ids
+        assert "".join(o.text for o in streamed) == out.text
+        assert b.statistics().requests_finished == 2
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_stop_ends_a_whole_output_request_with_its_tokens_so_far(autojump_clock):
+    b = backend(outputs=10, latency_s=1.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.serve)
+
+        async def stop_later():
+            await trio.sleep(3.5)
+            assert await b.interact("r", {"stop": True})
+
+        nursery.start_soon(stop_later)
+        ((_, out),) = await run_whole(b, "r", StageInput(token_ids=(5,)))
+        assert out.token_ids == (6, 6, 6) and out.finish_reason == "stop" and out.finished
+        nursery.cancel_scope.cancel()
 
 
 async def test_fail_at_output_is_request_scoped(autojump_clock):
