@@ -77,8 +77,16 @@ def request_error(request_id: str, errors: Sequence[BaseException]) -> BaseExcep
 
 
 def describe_failures(failures: Sequence[tuple[str, BaseException]]) -> str:
-    """``"a[0]: ValueError: boom; a[2]: ..."``: one line naming every failed child. Pure."""
-    return "; ".join(f"{name}: {type(exc).__name__}: {exc}" for name, exc in failures)
+    """``"a[0]: ValueError: boom; a[2]: ..."``: one line naming every failed child. A
+    replica's own StageStartError gives its reason only (the line it goes into already
+    says which stage failed to start). Pure."""
+    return "; ".join(f"{name}: {_describe(exc)}" for name, exc in failures)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, StageStartError):
+        return exc.reason
+    return f"{type(exc).__name__}: {exc}"
 
 
 def group_causes(message: str, causes: Sequence[BaseException]) -> BaseException:

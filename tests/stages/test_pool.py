@@ -8,6 +8,7 @@ from omni_trio import (
     ConfigError,
     ReplicaDeadError,
     StageRPCError,
+    StageStartError,
     load_config,
 )
 from omni_trio.outputs import StageInput
@@ -81,6 +82,8 @@ def test_describe_failures_pure():
     assert describe_failures([("a[0]", ValueError("x")), ("a[2]", OSError("y"))]) == (
         "a[0]: ValueError: x; a[2]: OSError: y"
     )
+    # a replica's own start error: its reason, not "stage 'a' failed to start" again
+    assert describe_failures([("a[0]", StageStartError("a", "no cluster"))]) == "a[0]: no cluster"
 
 
 def with_replicas(cls, n, *, shutdown_timeout=30.0, **options):
