@@ -312,7 +312,8 @@ class ScriptedBackend(StageBackend):
                     k += 1
                     break
             if live.stop and (stopped or k < n_outputs):
-                # stopped by an interaction: the next output is the finished one, empty
+                # stopped by an interaction: the next output is the finished one, empty (or
+                # carrying the tokens held for a whole-output request)
                 await emit(_whole(self.stage_id, held, "stop", k))
             self.completed.append(request_id)
         except trio.Cancelled:

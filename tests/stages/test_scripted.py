@@ -36,9 +36,10 @@ async def run(b, rid, *chunks, params=None):
     return outs
 
 
-async def run_whole(b, rid, *chunks):
-    """Run a request nobody streams (``streamed=False``): [(trio time, output)]."""
-    outs = []
+async def run_whole(b, rid, *chunks, outs=None):
+    """Run a request nobody streams (``streamed=False``): [(trio time, output)], also
+    appended to ``outs`` as they come."""
+    outs = [] if outs is None else outs
 
     async def emit(o):
         outs.append((trio.current_time(), o))
@@ -99,6 +100,18 @@ async def test_a_stop_ends_a_whole_output_request_with_its_tokens_so_far(autojum
         nursery.start_soon(stop_later)
         ((_, out),) = await run_whole(b, "r", StageInput(token_ids=(5,)))
         assert out.token_ids == (6, 6, 6) and out.finish_reason == "stop" and out.finished
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_whole_output_request_that_fails_emits_nothing(autojump_clock):
+    b = backend(outputs=5, latency_s=1.0, fail_at_output=3)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.serve)
+        outs = []
+        with pytest.raises(StageError, match="fail at output 3"):
+            await run_whole(b, "r", StageInput(token_ids=(1,)), outs=outs)
+        assert outs == [] and b.statistics().requests_failed == 1
+        assert b.statistics().requests_in_flight == 0
         nursery.cancel_scope.cancel()
 
 
