@@ -130,8 +130,9 @@ class StageFeed:
         # ignore it: no object per feed unless one is processed)
         self._context: StageContext | None = None
         self._observers = observers
-        self._pending = tuple(dict.fromkeys(upstream))  # a handful: no set per feed
-        self._order = tuple(upstream)
+        order = self._order = tuple(upstream)  # the same tuple if given one: no copy
+        # a handful: no set per feed; no copy either when no upstream is listed twice
+        self._pending = order if len(set(order)) == len(order) else tuple(dict.fromkeys(order))
         self._stream = stream
         self._processor = processor
         self._options = options
@@ -146,7 +147,9 @@ class StageFeed:
     ) -> StageInput | None:
         context = self._context
         if context is None and self._request_context is not None:
-            context = self._context = StageContext.of(self._request_context, self.stage_id)
+            context = StageContext.of(self._request_context, self.stage_id)
+            if not final:  # more calls come; the final one is the last
+                self._context = context
         try:
             chunk = self._processor(upstream, final=final, options=self._options, context=context)
         except Exception as exc:

@@ -27,7 +27,7 @@ it; nothing here decides the request's outcome.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from functools import partial
 
 import trio
@@ -74,6 +74,8 @@ class StageRunner:
         self._processors = processors
         self.observers = observers
         self._stages = {st.id: st for st in config.stages}
+        # each stage's upstream ids as a tuple, which every feed of it shares
+        self._upstream = {st.id: tuple(st.inputs) for st in config.stages}
         # per route: each active stage's path and whether its outputs are streamed (they
         # depend on the plan and the config only); RoutePlanner keeps a bounded set of plans
         # (by the plan's id, checked against the plan itself: no hash of the plan per stage)
@@ -96,22 +98,28 @@ class StageRunner:
             self._layouts[id(plan)] = (plan, layout)
         return layout
 
-    async def run(self, req: Request, feeds: list[StageFeed]) -> None:
+    def run(self, req: Request, feeds: list[StageFeed]) -> Coroutine[object, object, None]:
         """Run every active stage of ``req`` until each ended; the feeds between them are
-        appended to ``feeds`` (the caller closes them). Checkpoints; call it inside the
-        request's cancel scope. Failures fail the request, they are not raised."""
-        await self._drive(req, self._request_runs(req, feeds))
+        appended to ``feeds`` (the caller closes them): await what this returns (a
+        coroutine, as if this were an ``async def``; the feeds are built when it is called).
+        Awaiting it checkpoints; await it inside the request's cancel scope. Failures fail
+        the request, they are not raised."""
+        # the driver's own coroutine, not one awaiting it: a frame less per request in flight
+        return self._drive(req, self._request_runs(req, feeds))
 
-    async def _drive(self, req: Request, runs: Sequence[Run]) -> None:
+    async def _drive(self, req: Request, runs: list[Run]) -> None:
         """Run ``runs``, then the deferred stages each one made ready: a single run in this
         task (a loop, not a call chain: a finished stage's frame is gone before the next one
         runs), several in a nursery, each driven by its own task. Checkpoints."""
         while len(runs) == 1:
-            runs = self._ready_runs(req, await runs[0]())
+            # only the run's coroutine is held while it runs: not its partial, nor the list
+            work = runs.pop()()
+            del runs
+            runs = self._ready_runs(req, await work)
         if runs:
             async with trio.open_nursery() as nursery:
                 for run in runs[:-1]:
-                    nursery.start_soon(self._drive, req, (run,), name=req.request_id)
+                    nursery.start_soon(self._drive, req, [run], name=req.request_id)
                 await self._drive(req, runs[-1:])
 
     def _ready_runs(self, req: Request, ready: Ready) -> list[Run]:
@@ -140,7 +148,7 @@ class StageRunner:
                 streamed = req.input
                 inputs[sid] = WholeInput(req.first_input) if streamed is None else streamed.receiver
                 continue
-            upstream: Sequence[str] = st.inputs
+            upstream: Sequence[str] = self._upstream[sid]
             stream = st.stream_input
             if companion_stage is not None and companion_stage in upstream:
                 # it also takes the companions' outputs, and waits for all of them

@@ -109,7 +109,10 @@ class RequestTable:
         error: Exception | None = None
         try:
             with running.scope:
-                await run(running.emitter(emit))
+                work = run(running.emitter(emit))
+                # the backend's coroutine holds what the partial gave it: not held twice
+                del run
+                await work
         except Exception as exc:
             error = exc
         except BaseException:

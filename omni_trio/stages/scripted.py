@@ -129,16 +129,20 @@ class _Recent(dict[str, list[T]]):
 class _Live:
     """A request running on a scripted replica, as its interactions see it."""
 
-    __slots__ = ("stop", "waiting")
+    __slots__ = ("parked", "stop", "waiting")
 
     def __init__(self) -> None:
         self.stop = False  # a stop interaction came
-        # the scope of the wait the request is in (its input, its latency, a hang), if any: a
-        # stop cancels it. Entered only around a wait (a cancel scope costs microseconds to
-        # enter and exit, and most zero-latency runs never wait), so a stop that comes while
-        # the request is not waiting (it is delivering an output, or at a schedule point)
-        # takes effect once that output is delivered.
+        # the scope of the wait the request is in (its input, its latency), if any: a stop
+        # cancels it. Entered only around a wait (a cancel scope costs microseconds to enter
+        # and exit, and most zero-latency runs never wait), so a stop that comes while the
+        # request is not waiting (it is delivering an output, or at a schedule point) takes
+        # effect once that output is delivered.
         self.waiting: trio.CancelScope | None = None
+        # the task parked in a hang (a stop wakes it). A hang holds no cancel scope, as a
+        # request queued in a real engine holds none: a held request costs the heap that
+        # bench_orchestrator measures as omni-trio's, not the fake's.
+        self.parked: trio.lowlevel.Task | None = None
 
     def wait_scope(self) -> trio.CancelScope:
         """The scope for one wait, already cancelled if a stop came. Synchronous."""
@@ -146,6 +150,28 @@ class _Live:
         if self.stop:
             scope.cancel()
         return scope
+
+    async def hang(self) -> None:
+        """Park until a stop (:meth:`wake`) or a cancellation. Always checkpoints. Called
+        first thing, before any checkpoint: no stop can have come yet."""
+        self.parked = trio.lowlevel.current_task()
+        try:
+            await trio.lowlevel.wait_task_rescheduled(self._abort_hang)
+        finally:
+            self.parked = None
+
+    def _abort_hang(self, raise_cancel: object) -> trio.lowlevel.Abort:
+        self.parked = None  # trio wakes it with the Cancelled: a stop must not wake it again
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def wake(self) -> None:
+        """A stop came: cut short the wait or the hang the request is in. Synchronous."""
+        self.stop = True
+        if self.waiting is not None:
+            self.waiting.cancel()
+        if self.parked is not None:
+            trio.lowlevel.reschedule(self.parked)
+            self.parked = None
 
 
 def scripted_tokens(inputs: Sequence[int], n_outputs: int, offset: int = 1) -> list[int]:
@@ -250,8 +276,7 @@ class ScriptedBackend(StageBackend):
         stopped = False
         try:
             if self.options.hang:
-                with live.wait_scope():
-                    await trio.sleep_forever()
+                await live.hang()
                 stopped = True  # only a stop ends the hang
             for k in range(0 if stopped else n_outputs):
                 # wait until input token k is here (streamed input) or the input is complete
@@ -329,9 +354,7 @@ class ScriptedBackend(StageBackend):
         if isinstance(payload, dict) and payload.get("stop") is True:
             live = self._live.get(request_id)
             if live is not None and not live.stop:
-                live.stop = True
-                if live.waiting is not None:
-                    live.waiting.cancel()
+                live.wake()
         self.interactions.start(request_id).append(payload)
 
     async def _rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -1,6 +1,7 @@
 import pytest
 import trio
 import trio.lowlevel
+import trio.testing
 
 from omni_trio import ConfigError, ReplicaDeadError, StageError, load_config
 from omni_trio.outputs import StageInput
@@ -238,3 +239,35 @@ async def test_collect_input_merges_chunks():
         )
     )
     assert merged.token_ids == (1, 2, 3) and merged.data == "x" and merged.final
+
+
+async def test_a_hang_ends_with_a_stop_or_an_abort_and_never_both(autojump_clock):
+    b = backend(outputs=3, hang=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.serve)
+        # a stop ends the hang: the finished output comes at once, empty
+        nursery.start_soon(run, b, "stopped", StageInput(token_ids=(1,)))
+        await trio.testing.wait_all_tasks_blocked()
+        t0 = trio.current_time()
+        assert await b.interact("stopped", {"stop": True})
+        await trio.testing.wait_all_tasks_blocked()
+        assert b.completed == ["stopped"] and trio.current_time() == t0
+        # an abort and a stop in the same scheduling batch: the abort wins and the stop finds
+        # nothing to wake (waking the cancelled task again would crash the run)
+        failures = []
+
+        async def runner():
+            try:
+                await run(b, "aborted", StageInput(token_ids=(1,)))
+            except StageAborted as exc:
+                failures.append(exc)
+
+        nursery.start_soon(runner)
+        await trio.testing.wait_all_tasks_blocked()
+        async with trio.open_nursery() as both:
+            both.start_soon(b.abort, "aborted")
+            both.start_soon(b.interact, "aborted", {"stop": True})
+        assert len(failures) == 1 and b.aborted == ["aborted"]
+        assert b.completed == ["stopped"] and b.requests_in_flight == 0
+        assert b.statistics().requests_aborted == 1
+        nursery.cancel_scope.cancel()
