@@ -158,7 +158,9 @@ class RayLink:
         try:
             self.loop.run_forever()
             # calls still waiting (on a killed, hung actor) end here, not as "Task was
-            # destroyed but it is pending" at interpreter exit
+            # destroyed but it is pending" at interpreter exit. Each task's outcome, an
+            # error included, has gone to its caller's future (run_coroutine_threadsafe):
+            # the gather only waits, it drops nothing
             pending = asyncio.all_tasks(self.loop)
             for task in pending:
                 task.cancel()

@@ -142,6 +142,18 @@ class Ready:
 @dataclass(frozen=True, slots=True)
 class Died:
     reason: str
+    #: the exception behind ``reason``, if there is one (the replica's death is caused by it)
+    error: BaseException | None = None
+
+
+def died_of(death: BaseException | None, crash: BaseException) -> bool:
+    """Whether a replica that died of ``death`` died of the worker's ``crash``: the crash
+    itself, or a crash whose one cause is the death's (a request task's failure that its
+    :class:`Died` reported). Pure."""
+    if death is None:
+        return False
+    cause = death.__cause__
+    return cause is crash or (cause is not None and crash.__cause__ is cause)
 
 
 #: what the worker reports on its event bridge: its start outcome, then maybe a death

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -52,8 +52,11 @@ class EngineRequests:
         loop: asyncio.AbstractEventLoop,
         out_tx: BridgeSender[Batch],
         mm_scope: tuple[str, int] | None,
+        on_failure: Callable[[str, BaseException], None],
     ) -> None:
         self.name = name
+        #: called with a request's id and what its task raised (not its cancellation)
+        self._on_failure = on_failure
         self.v = v
         self.engine = engine
         self._loop = loop
@@ -88,6 +91,10 @@ class EngineRequests:
             outputs.mark(cmd.request_id)
 
     def _request_done(self, request_id: str, task: asyncio.Task[None]) -> None:
+        if not task.cancelled():
+            error = task.exception()
+            if error is not None:
+                self._on_failure(request_id, error)
         # A task aborted before its first step never ran its body (nor its finally): end
         # the request here. Otherwise _request already did.
         outputs = self.outputs

@@ -31,7 +31,8 @@ from typing import Any
 import anyio
 import outcome
 
-from ..errors import ConfigError, ReplicaDeadError, StageStartError
+from ..errors import ConfigError, ReplicaDeadError, StageError, StageStartError
+from ..failures import group_causes
 from ..transport.bridge import BridgeSender
 from ._vllm_process import SpawnWindow, engine_core_children, import_vllm, kill, reap
 from ._vllm_process import shutdown_engine as _shutdown
@@ -83,6 +84,11 @@ class EngineWorker:
         self._inbox_scheduled = False
         self._rpcs: set[asyncio.Task[None]] = set()
         self._requests: EngineRequests | None = None  # once the engine started
+        #: why the worker's loop ended with an error (set before both bridges close; the
+        #: backend reads it once the event bridge ended or the thread exited)
+        self.crash: BaseException | None = None
+        # what request tasks raised (the stop fails with them)
+        self._task_errors: list[BaseException] = []
 
     # -- from the backend's thread ----------------------------------------------------------
     def run(self) -> None:
@@ -90,7 +96,8 @@ class EngineWorker:
         try:
             with asyncio.Runner(loop_factory=lambda: self._loop) as runner:
                 runner.run(self._main())
-        except BaseException:
+        except BaseException as exc:
+            self.crash = exc
             logger.exception("vllm worker %s crashed", self.name)
         finally:
             self._out_tx.close()
@@ -156,6 +163,7 @@ class EngineWorker:
             loop=self._loop,
             out_tx=self._out_tx,
             mm_scope=self.mm_scope,
+            on_failure=self._request_failed,
         )
         try:
             if self._stop_requested.is_set():
@@ -165,8 +173,14 @@ class EngineWorker:
                 self._loop.add_reader(proc.sentinel, self._core_exited, proc)
             await self._wake.wait()
         finally:
-            await self._end_tasks()
+            errors = await self._end_tasks()
             self._shutdown_engine()
+            if errors:
+                # a request task's own failure (its abort in vLLM failed): the stop fails
+                raise StageError(
+                    f"replica {self.name}: {len(errors)} request task(s) failed while the "
+                    f"worker stopped"
+                ) from group_causes("request tasks that failed", errors)
 
     def _after_failed_start(self) -> None:
         kill(self.core_pids)
@@ -244,6 +258,19 @@ class EngineWorker:
         except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass  # nobody listens any more (the backend is stopping)
 
+    def _request_failed(self, request_id: str, error: BaseException) -> None:
+        # A request's task raised (only its abort in vLLM can: everything else is posted to
+        # the request): vLLM may still run it, so the engine can no longer be trusted and
+        # the replica dies of it. The stop fails with it too (_main), unless the replica
+        # died of it: nobody may read the death (a stop may already be under way).
+        reason = f"request {request_id!r} could not be dropped: {type(error).__name__}: {error}"
+        logger.warning("vllm worker %s: %s", self.name, reason)
+        self._task_errors.append(error)
+        try:
+            self._evt_tx.send_nowait(Died(reason, error))
+        except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # nobody listens any more: the stop reports it
+
     # -- commands ---------------------------------------------------------------------------
     def _command(self, cmd: Command) -> None:
         if isinstance(cmd, Rpc):
@@ -265,16 +292,29 @@ class EngineWorker:
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass
 
-    async def _end_tasks(self) -> None:
+    async def _end_tasks(self) -> list[BaseException]:
         """Cancel every request and RPC task and wait for them: each request posts its END
-        after vLLM dropped it, and the last flush sends them."""
+        after vLLM dropped it, and the last flush sends them. Returns what the tasks raised
+        other than their cancellation."""
         requests = self._requests
-        tasks = [*(requests.tasks.values() if requests is not None else ()), *self._rpcs]
-        for task in tasks:
+        request_tasks = list(requests.tasks.values()) if requests is not None else []
+        rpcs = list(self._rpcs)
+        for task in (*request_tasks, *rpcs):
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # a request task's error already reached _request_failed (its done callback runs
+        # before gather's): only the RPC tasks' results are looked at here
+        await asyncio.gather(*request_tasks, return_exceptions=True)
+        results = await asyncio.gather(*rpcs, return_exceptions=True)
         if requests is not None:
             requests.outputs.flush()
+        return [
+            *self._task_errors,
+            *(
+                r
+                for r in results
+                if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)
+            ),
+        ]
 
     async def _rpc(self, rpc: Rpc) -> None:
         reply: outcome.Outcome[Any]

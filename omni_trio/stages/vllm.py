@@ -95,6 +95,7 @@ from ._vllm_protocol import (
     Rpc,
     Segment,
     Submit,
+    died_of,
     request_options,
 )
 from ._vllm_worker import EngineWorker
@@ -194,11 +195,18 @@ class VllmBackend(StageBackend):
             try:
                 async for event in self._evt_rx:
                     if isinstance(event, Died):
-                        self._die(ReplicaDeadError(f"replica {self.name}: {event.reason}"))
+                        death = ReplicaDeadError(f"replica {self.name}: {event.reason}")
+                        death.__cause__ = event.error
+                        self._die(death)
                         break
             except anyio.BrokenResourceError:
                 pass  # the worker's loop ended: the base class marks the replica dead
             nursery.cancel_scope.cancel()
+        crash = self._worker.crash if self._worker is not None else None
+        if crash is not None:  # set before the worker closed its bridges
+            raise ReplicaDeadError(
+                f"replica {self.name}: its worker's loop crashed: {type(crash).__name__}: {crash}"
+            ) from crash
 
     async def _demultiplex(self) -> None:
         """Hand each item of the worker's per-step batches to its request (one wake-up per
@@ -240,6 +248,11 @@ class VllmBackend(StageBackend):
         for end in (self._evt_rx, self._out_rx):
             if end is not None:
                 end.close()
+        crash = self._worker.crash if self._worker is not None else None
+        if crash is not None and self._ready and not died_of(self.death, crash):
+            # the worker failed while stopping, or of something the replica did not die of:
+            # the stop failed (the base class raises StageStopError from it)
+            raise crash
 
     # -- requests -----------------------------------------------------------------------------
     async def _run(

@@ -23,7 +23,7 @@ import trio
 
 import omni_trio
 from omni_trio.config import StageConfig
-from omni_trio.errors import InvalidRequestError, ReplicaDeadError
+from omni_trio.errors import InvalidRequestError, ReplicaDeadError, StageError, StageStopError
 from omni_trio.outputs import StageInput, StageOutput
 from omni_trio.stages._abc import StageAborted
 from omni_trio.stages.vllm import THREAD_PREFIX, VllmBackend
@@ -303,6 +303,101 @@ async def test_killed_engine_core_fails_only_its_replica() -> None:
             await run(b0, "after", StageInput(prompt="hi"))
         assert len(await run(b1, "after", StageInput(prompt="hi"))) > 1
         nursery.cancel_scope.cancel()
+    assert leftover_engine_processes() == []
+    assert our_threads() == []
+
+
+def break_abort_of(backend: VllmBackend, request_id: str) -> None:
+    """Make the backend's real AsyncLLM fail to abort ``request_id`` (fault injection: the
+    one way a request's own task can raise)."""
+    engine = backend._worker.engine  # type: ignore[union-attr]
+    real_abort = engine.abort
+
+    async def abort(rid: Any, *args: Any, **kwargs: Any) -> Any:
+        if rid == request_id:
+            raise RuntimeError(f"abort of {rid} broke")
+        return await real_abort(rid, *args, **kwargs)
+
+    engine.abort = abort
+
+
+async def test_a_request_vllm_could_not_drop_kills_the_replica_or_fails_its_stop() -> None:
+    cfg = stage("thinker", THINKER, options={"cpu_bind": ["0", "1"]})
+    b0, b1 = (VllmBackend(cfg, stage_index=0, replica=r) for r in (0, 1))
+    b0_returned = trio.Event()
+    stop1 = trio.CancelScope()
+    stop_errors: list[StageStopError] = []
+    long = {**GREEDY, "max_tokens": 400}
+    async with trio.open_nursery() as nursery:
+
+        async def serve0(*, task_status: trio.TaskStatus[None]) -> None:
+            await b0.serve(task_status=task_status)
+            b0_returned.set()
+
+        async def serve1(*, task_status: trio.TaskStatus[None]) -> None:
+            try:
+                with stop1:
+                    await b1.serve(task_status=task_status)
+            except StageStopError as exc:
+                stop_errors.append(exc)
+
+        async with trio.open_nursery() as starters:  # both engines start at once
+            starters.start_soon(nursery.start, serve0)
+            starters.start_soon(nursery.start, serve1)
+        break_abort_of(b0, "doomed")
+        break_abort_of(b1, "held")
+
+        # 1. while serving: the request is aborted, vLLM cannot drop it, the replica dies of it
+        async def doomed() -> None:
+            first = trio.Event()
+
+            async def emit(o: StageOutput) -> None:
+                # a consumer that takes no more: the request cannot finish before its abort,
+                # however fast the engine
+                first.set()
+                await trio.sleep_forever()
+
+            async with trio.open_nursery() as pair:
+
+                async def abort_after_first() -> None:
+                    await first.wait()
+                    await b0.abort("doomed")
+
+                pair.start_soon(abort_after_first)
+                with pytest.raises((StageAborted, ReplicaDeadError)):
+                    await b0.run_request("doomed", one_chunk(StageInput(prompt="hi")), long, emit)
+
+        await doomed()
+        with trio.fail_after(60):
+            await b0_returned.wait()  # the replica's serve() returned by itself
+        death = b0.death
+        assert isinstance(death, ReplicaDeadError) and not b0.alive
+        assert "request 'doomed' could not be dropped: RuntimeError" in str(death)
+        assert isinstance(death.__cause__, RuntimeError)
+
+        # 2. while stopping: the request in flight cannot be dropped, the stop fails with it
+        held_started = trio.Event()
+        held_errors: list[BaseException] = []
+
+        async def held() -> None:
+            async def emit(o: StageOutput) -> None:
+                held_started.set()
+                await trio.sleep_forever()  # as above: it is in flight when the stop comes
+
+            try:
+                await b1.run_request("held", one_chunk(StageInput(prompt="hi")), long, emit)
+            except (StageAborted, ReplicaDeadError) as exc:
+                held_errors.append(exc)
+
+        nursery.start_soon(held)
+        await held_started.wait()
+        stop1.cancel()
+    assert len(held_errors) == 1
+    (stop_error,) = stop_errors
+    failed = stop_error.__cause__
+    assert isinstance(failed, StageError)
+    assert "1 request task(s) failed while the worker stopped" in str(failed)
+    assert isinstance(failed.__cause__, RuntimeError) and "held" in str(failed.__cause__)
     assert leftover_engine_processes() == []
     assert our_threads() == []
 

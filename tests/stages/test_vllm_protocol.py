@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from omni_trio.stages._vllm_protocol import Flow, to_stage_output
+from omni_trio.errors import ReplicaDeadError, StageError
+from omni_trio.stages._vllm_protocol import Flow, died_of, to_stage_output
 
 
 def test_flow_stalls_without_credit_and_resumes_at_half_the_window() -> None:
@@ -91,3 +92,21 @@ def test_request_options_only_what_is_not_vllms_default() -> None:
     assert request_options(only_prompt, entry=True) == {
         "tokenization_kwargs": {"add_special_tokens": False}
     }
+
+
+def test_died_of_tells_a_crash_the_replica_died_of_from_a_new_one() -> None:
+    task_error = RuntimeError("abort broke")
+    death = ReplicaDeadError("replica a[0]: request 'r' could not be dropped")
+    death.__cause__ = task_error
+    stop_failure = StageError("replica a[0]: 1 request task(s) failed while the worker stopped")
+    stop_failure.__cause__ = task_error
+    assert died_of(death, stop_failure)  # the one task error its death reported
+    loop_crash = OSError("loop broke")
+    crashed = ReplicaDeadError("replica a[0]: its worker's loop crashed")
+    crashed.__cause__ = loop_crash
+    assert died_of(crashed, loop_crash)
+    other = StageError("replica a[0]: 1 request task(s) failed while the worker stopped")
+    other.__cause__ = RuntimeError("another")
+    assert not died_of(death, other)  # a failure the death did not report
+    assert not died_of(None, stop_failure)  # a replica that did not die
+    assert not died_of(ReplicaDeadError("killed"), loop_crash)  # died of something else
