@@ -23,8 +23,13 @@ from _vllm_pipeline_procs import (
     still_there,
     stop_breakdown,
     stop_log,
+    thread_cpu,
 )
-from _vllm_pipeline_summary import batch_throughput, cpu_ms_per_request_stage
+from _vllm_pipeline_summary import (
+    batch_throughput,
+    cpu_ms_per_request_stage,
+    cpu_split_ms_per_request_stage,
+)
 
 
 def child_main(a: argparse.Namespace) -> None:
@@ -51,13 +56,18 @@ async def run_batches(
     counts = await batch("warm")
     ok = counts == [tokens] * requests
     walls = []
-    cpu0 = time.process_time()
+    cpu0, threads0 = time.process_time(), thread_cpu()
     for b in range(batches):
         t0 = time.perf_counter()
         counts = await batch(f"b{b}")
         walls.append(time.perf_counter() - t0)
         ok = ok and counts == [tokens] * requests
-    return {"walls": walls, "cpu_s": time.process_time() - cpu0, "tokens_ok": ok}
+    return {
+        "walls": walls,
+        "cpu_s": time.process_time() - cpu0,
+        "threads": (threads0, thread_cpu()),
+        "tokens_ok": ok,
+    }
 
 
 def child_result(
@@ -75,6 +85,9 @@ def child_result(
         "cpu_s": timing["cpu_s"],
         "cpu_ms_per_request_stage": cpu_ms_per_request_stage(
             timing["cpu_s"], a.requests, a.batches, a.child_stages
+        ),
+        "cpu_split_ms": cpu_split_ms_per_request_stage(
+            *timing["threads"], a.requests, a.batches, a.child_stages
         ),
         "tokens_ok": timing["tokens_ok"],
         "init_s": init_s,

@@ -243,6 +243,29 @@ def cpu_seconds(pids: Sequence[int]) -> float:
     return total
 
 
+def thread_cpu() -> dict[str, float]:
+    """This process's CPU seconds so far, by thread: ``loop`` (the main thread, whose trio or
+    asyncio loop drives the requests: omni-trio's orchestrator, or the hand-driven program
+    with its AsyncLLMs), ``engine_threads`` (omni-trio's vllm stage threads, an asyncio loop
+    and an AsyncLLM each) and ``other`` (every other thread, ended ones included)."""
+    from omni_trio.stages.vllm import THREAD_PREFIX
+
+    total = time.process_time()
+    loop = engines = 0.0
+    for thread in threading.enumerate():
+        if thread.ident is None:
+            continue
+        try:
+            seconds = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except OSError:
+            continue  # it ended meanwhile: its time is in "other"
+        if thread is threading.main_thread():
+            loop += seconds
+        elif thread.name.startswith(THREAD_PREFIX):
+            engines += seconds
+    return {"loop": loop, "engine_threads": engines, "other": max(0.0, total - loop - engines)}
+
+
 def idle_snapshot(groups: dict[int, list[int]]) -> dict[str, Any]:
     """CPU seconds so far of this process (the frontend) and of each engine's processes."""
     return {

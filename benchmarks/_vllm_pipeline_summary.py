@@ -21,6 +21,17 @@ def cpu_ms_per_request_stage(cpu_s: float, requests: int, batches: int, stages: 
     return 1000.0 * cpu_s / (requests * batches * stages)
 
 
+def cpu_split_ms_per_request_stage(
+    before: dict[str, float], after: dict[str, float], requests: int, batches: int, stages: int
+) -> dict[str, float]:
+    """:func:`cpu_ms_per_request_stage` of each thread group between two
+    ``thread_cpu()`` snapshots."""
+    return {
+        group: cpu_ms_per_request_stage(after[group] - before[group], requests, batches, stages)
+        for group in after
+    }
+
+
 def spread(values: Sequence[float]) -> dict[str, float] | None:
     """Median, min and max of ``values`` (None when there are none)."""
     if not values:
@@ -70,6 +81,9 @@ def summarize_cell(
         },
         "cpu_ms_per_request_stage": {s: per_pass(s, _cpu) for s in systems},
         "cpu_ms_per_request_stage_median": {s: _median(per_pass(s, _cpu)) for s in systems},
+        "cpu_split_ms_median": {
+            s: _split_median(per_pass(s, lambda r: r.get("cpu_split_ms"))) for s in systems
+        },
         "init_s": {s: per_pass(s, lambda r: r["init_s"]) for s in systems},
         "shutdown_s": {s: per_pass(s, lambda r: r["shutdown_s"]) for s in systems},
         "tokens_ok": {s: per_pass(s, lambda r: r["tokens_ok"]) for s in systems},
@@ -102,6 +116,10 @@ def summary_row(cell: dict[str, Any]) -> dict[str, Any]:
         "cpu_ms_hand": r3(cell["cpu_ms_per_request_stage_median"].get("hand")),
         "cpu_ms_omni": r3(cell["cpu_ms_per_request_stage_median"].get("omni")),
         "cpu_ratio": cpu_ratio and r3(cpu_ratio["median"]),
+        "cpu_ms_by_thread": {
+            s: split and {group: r3(ms) for group, ms in split.items()}
+            for s, split in cell["cpu_split_ms_median"].items()
+        },
         "init_s": {s: _median(cell["init_s"][s]) for s in cell["init_s"]},
         "shutdown_s": {s: _median(cell["shutdown_s"][s]) for s in cell["shutdown_s"]},
         "slowest_own_stop_s": {s: _stop_median(cell, s, "slowest_own_stop") for s in cell["stop"]},
@@ -118,6 +136,14 @@ def summary_row(cell: dict[str, Any]) -> dict[str, Any]:
 def _stop_median(cell: dict[str, Any], system: str, field: str) -> float | None:
     """The median over passes of one figure of the stop breakdowns of ``system``."""
     return _median([None if stop is None else stop[field] for stop in cell["stop"][system]])
+
+
+def _split_median(splits: Sequence[dict[str, float] | None]) -> dict[str, float] | None:
+    """Median over passes of each thread group's CPU ms per request-stage."""
+    present = [s for s in splits if s is not None]
+    if not present:
+        return None
+    return {group: statistics.median(s[group] for s in present) for group in present[0]}
 
 
 def _idle_median(idles: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
@@ -157,7 +183,8 @@ def describe(run: Run, result: dict[str, Any]) -> str:
     return (
         f"{head} {result['requests_per_s']['median']:.1f} req/s (best "
         f"{result['requests_per_s']['best']:.1f}), cpu {result['cpu_ms_per_request_stage']:.2f} "
-        f"ms/request-stage, init {result['init_s']:.1f} s, shutdown {result['shutdown_s']:.1f} s"
+        f"ms/request-stage{_describe_split(result.get('cpu_split_ms'))}, "
+        f"init {result['init_s']:.1f} s, shutdown {result['shutdown_s']:.1f} s"
         f" (slowest engine's own stop {_seconds(stop['slowest_own_stop'])}, gap "
         f"{_seconds(stop['gap'])})"
         + ("" if result["tokens_ok"] else ", TOKENS MISSING")
@@ -169,6 +196,12 @@ def describe(run: Run, result: dict[str, Any]) -> str:
             else ""
         )
     )
+
+
+def _describe_split(split: dict[str, float] | None) -> str:
+    if not split:
+        return ""
+    return " (" + ", ".join(f"{group} {ms:.2f}" for group, ms in split.items() if ms) + ")"
 
 
 def _describe_idle(idle: dict[str, Any]) -> str:

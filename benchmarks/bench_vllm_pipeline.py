@@ -30,6 +30,12 @@ Reading the output (one JSON object on stdout; progress on stderr):
   EngineCore processes are not counted) over the timed batches, divided by requests x batches
   x stages. This is the frontend's cost; when the engines keep the cores busy (``spread``) it
   is what the ratio follows.
+- ``cpu_ms_by_thread`` (per run: ``cpu_split_ms``): the same, split by thread. ``loop`` is the
+  main thread (omni-trio's trio loop with the orchestrator and the callers, or the hand
+  program's asyncio loop with its AsyncLLMs); ``engine_threads`` are omni-trio's vllm stage
+  threads (an asyncio loop and an AsyncLLM each); ``other`` is everything else (vLLM's and
+  ZMQ's own threads). omni-trio's ``engine_threads`` do what the hand program's ``loop``
+  does; its ``loop`` is what omni-trio adds.
 - ``init_s``: engine construction to ready; ``shutdown_s``: start of close to its return.
 - ``stop``: where the close's time went (:func:`stop_breakdown`). An engine's own stop runs
   from the moment its stop begins (omni-trio's vllm backend logs it at debug level; the hand

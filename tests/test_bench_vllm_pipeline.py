@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +69,7 @@ def _result(median_rps: float, cpu_ms: float, left: int = 0) -> dict[str, Any]:
     return {
         "requests_per_s": {"best": median_rps + 1, "median": median_rps},
         "cpu_ms_per_request_stage": cpu_ms,
+        "cpu_split_ms": {"loop": cpu_ms / 2, "engine_threads": cpu_ms / 4, "other": cpu_ms / 4},
         "init_s": 30.0,
         "shutdown_s": 2.0,
         "tokens_ok": True,
@@ -96,6 +99,11 @@ def test_cell_reports_median_ratio_spread_and_cpu_skipping_failed_passes() -> No
         "cpu_ms_hand": 2.0,
         "cpu_ms_omni": 3.5,
         "cpu_ratio": 1.5,
+        # the median of each thread group over the passes where the system ran
+        "cpu_ms_by_thread": {
+            "hand": {"loop": 1.0, "engine_threads": 0.5, "other": 0.5},
+            "omni": {"loop": 1.75, "engine_threads": 0.875, "other": 0.875},
+        },
         "init_s": {"hand": 30.0, "omni": 30.0},
         "shutdown_s": {"hand": 2.0, "omni": 2.0},
         "slowest_own_stop_s": {"hand": 1.5, "omni": 1.5},
@@ -217,3 +225,35 @@ def test_exit_watch_sees_a_process_exit_when_it_happens() -> None:
         long.wait()
     assert list(exited) == [short.pid]
     assert t0 < exited[short.pid] <= t_reaped + 0.1
+
+
+def test_thread_cpu_tells_the_main_loop_from_omni_trios_engine_threads() -> None:
+    from omni_trio.stages.vllm import THREAD_PREFIX
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    burnt, done = threading.Event(), threading.Event()
+
+    def engine_thread() -> None:  # alive at both snapshots, as a stage's thread is
+        burn(0.2)
+        burnt.set()
+        done.wait()
+
+    engine = threading.Thread(target=engine_thread, name=f"{THREAD_PREFIX}-a[0]")
+    other = threading.Thread(target=burn, args=(0.1,), name="someone-else")
+    before = procs.thread_cpu()
+    engine.start()
+    other.start()
+    other.join()  # ended: its time is counted in "other"
+    burnt.wait()
+    burn(0.1)  # the main thread's own
+    after = procs.thread_cpu()
+    done.set()
+    engine.join()
+    split = summary.cpu_split_ms_per_request_stage(before, after, 10, 2, 1)  # ms per 20
+    assert split["engine_threads"] == pytest.approx(200 / 20, rel=0.25)
+    assert split["other"] == pytest.approx(100 / 20, rel=0.5)
+    assert split["loop"] == pytest.approx(100 / 20, rel=0.5)
