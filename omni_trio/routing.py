@@ -131,8 +131,8 @@ class StageFeed:
         self._context: StageContext | None = None
         self._observers = observers
         order = self._order = tuple(upstream)  # the same tuple if given one: no copy
-        # a handful: no set per feed; no copy either when no upstream is listed twice
-        self._pending = order if len(set(order)) == len(order) else tuple(dict.fromkeys(order))
+        # a handful: no set per feed; one upstream (the usual case) is shared, not copied
+        self._pending = order if len(order) == 1 else tuple(dict.fromkeys(order))
         self._stream = stream
         self._processor = processor
         self._options = options

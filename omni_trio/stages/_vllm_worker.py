@@ -301,20 +301,17 @@ class EngineWorker:
         rpcs = list(self._rpcs)
         for task in (*request_tasks, *rpcs):
             task.cancel()
-        # a request task's error already reached _request_failed (its done callback runs
-        # before gather's): only the RPC tasks' results are looked at here
-        await asyncio.gather(*request_tasks, return_exceptions=True)
-        results = await asyncio.gather(*rpcs, return_exceptions=True)
+        results = await asyncio.gather(*request_tasks, *rpcs, return_exceptions=True)
         if requests is not None:
             requests.outputs.flush()
-        return [
-            *self._task_errors,
-            *(
-                r
-                for r in results
-                if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)
-            ),
+        # a request task's error already reached _request_failed (its done callback runs
+        # before gather's): only the RPC tasks' results are looked at here
+        rpc_errors = [
+            r
+            for r in results[len(request_tasks) :]
+            if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)
         ]
+        return [*self._task_errors, *rpc_errors]
 
     async def _rpc(self, rpc: Rpc) -> None:
         reply: outcome.Outcome[Any]
