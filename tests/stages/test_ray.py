@@ -572,8 +572,10 @@ async def test_an_actor_killed_during_an_interaction_fails_it_with_a_stage_error
 
 async def test_an_interaction_cancelled_at_each_checkpoint_leaves_nothing_in_the_actor():
     # entering, interacting (waiting for the actor's STARTED, the shielded call), reading,
-    # leaving: cancelled at each, no request is left here or in the actor
-    cfg = one_stage_on_ray(outputs=4, latency_s=0.02)
+    # leaving: cancelled at each, no request is left here or in the actor. Outputs 0.1 s
+    # apart: a run cancelled while the actor streams leaves it time to see the abort (the
+    # assertion that it aborted one must not depend on a loaded machine's speed)
+    cfg = one_stage_on_ray(outputs=4, latency_s=0.1)
     async with omni_trio.open_engine(cfg) as engine:
 
         async def consumer(engine: omni_trio.Engine) -> None:
