@@ -7,6 +7,8 @@ equality is checked against a hand-driven asyncio AsyncLLM program run in a subp
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -26,6 +28,7 @@ from omni_trio.config import StageConfig
 from omni_trio.errors import InvalidRequestError, ReplicaDeadError, StageError, StageStopError
 from omni_trio.outputs import StageInput, StageOutput
 from omni_trio.stages._abc import StageAborted
+from omni_trio.stages._vllm_worker import EngineWorker
 from omni_trio.stages.vllm import THREAD_PREFIX, VllmBackend
 from omni_trio.testing import cancel_at_every_checkpoint
 
@@ -398,6 +401,68 @@ async def test_a_request_vllm_could_not_drop_kills_the_replica_or_fails_its_stop
     assert isinstance(failed, StageError)
     assert "1 request task(s) failed while the worker stopped" in str(failed)
     assert isinstance(failed.__cause__, RuntimeError) and "held" in str(failed.__cause__)
+    assert leftover_engine_processes() == []
+    assert our_threads() == []
+
+
+async def test_a_crash_of_the_worker_loop_kills_the_replica_caused_by_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # fault injection: the worker's main coroutine ends with an error while a request is in
+    # flight (its engine is shut down first, as any end of the worker does)
+    triggers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+    real_main = EngineWorker._main
+
+    async def main(worker: EngineWorker) -> None:
+        loop = asyncio.get_running_loop()
+        crash = asyncio.Event()
+        triggers.append((loop, crash))
+        inner = loop.create_task(real_main(worker))
+        waiter = loop.create_task(crash.wait())
+        await asyncio.wait({inner, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if inner.done():
+            waiter.cancel()
+            return inner.result()
+        inner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await inner
+        raise OSError("the worker's loop broke")
+
+    monkeypatch.setattr(EngineWorker, "_main", main)
+    backend = VllmBackend(stage("thinker", THINKER), stage_index=0)
+    returned = trio.Event()
+    failures: list[BaseException] = []
+    async with trio.open_nursery() as nursery:
+
+        async def serve(*, task_status: trio.TaskStatus[None]) -> None:
+            await backend.serve(task_status=task_status)  # a stop failure would raise here
+            returned.set()
+
+        await nursery.start(serve)
+        first = trio.Event()
+
+        async def emit(o: StageOutput) -> None:
+            first.set()
+            await trio.sleep_forever()  # in flight when the loop breaks
+
+        async def request() -> None:
+            long = {**GREEDY, "max_tokens": 400}
+            try:
+                await backend.run_request("r", one_chunk(StageInput(prompt="hi")), long, emit)
+            except (StageAborted, ReplicaDeadError) as exc:
+                failures.append(exc)
+
+        nursery.start_soon(request)
+        await first.wait()
+        ((loop, crash),) = triggers
+        loop.call_soon_threadsafe(crash.set)
+        with trio.fail_after(60):
+            await returned.wait()  # the replica's serve() returned by itself
+    death = backend.death
+    assert isinstance(death, ReplicaDeadError) and not backend.alive
+    assert "worker's loop crashed: OSError: the worker's loop broke" in str(death)
+    assert isinstance(death.__cause__, OSError)
+    assert len(failures) == 1 and backend.statistics().requests_in_flight == 0
     assert leftover_engine_processes() == []
     assert our_threads() == []
 
