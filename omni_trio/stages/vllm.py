@@ -202,11 +202,15 @@ class VllmBackend(StageBackend):
             except anyio.BrokenResourceError:
                 pass  # the worker's loop ended: the base class marks the replica dead
             nursery.cancel_scope.cancel()
-        crash = self._worker.crash if self._worker is not None else None
+        crash = self._crash()
         if crash is not None:  # set before the worker closed its bridges
             raise ReplicaDeadError(
                 f"replica {self.name}: its worker's loop crashed: {type(crash).__name__}: {crash}"
             ) from crash
+
+    def _crash(self) -> BaseException | None:
+        # what ended the worker's loop with an error, if it did
+        return self._worker.crash if self._worker is not None else None
 
     async def _demultiplex(self) -> None:
         """Hand each item of the worker's per-step batches to its request (one wake-up per
@@ -248,7 +252,7 @@ class VllmBackend(StageBackend):
         for end in (self._evt_rx, self._out_rx):
             if end is not None:
                 end.close()
-        crash = self._worker.crash if self._worker is not None else None
+        crash = self._crash()
         if crash is not None and self._ready and not died_of(self.death, crash):
             # the worker failed while stopping, or of something the replica did not die of:
             # the stop failed (the base class raises StageStopError from it)

@@ -324,6 +324,24 @@ def break_abort_of(backend: VllmBackend, request_id: str) -> None:
     engine.abort = abort
 
 
+async def run_held(
+    backend: VllmBackend, request_id: str, started: trio.Event, errors: list[BaseException]
+) -> None:
+    """A long request whose consumer takes its first output and no more, so it stays in
+    flight until something else ends it; how it ended (aborted, or its replica's death)
+    goes to ``errors``."""
+
+    async def emit(o: StageOutput) -> None:
+        started.set()
+        await trio.sleep_forever()
+
+    long = {**GREEDY, "max_tokens": 400}
+    try:
+        await backend.run_request(request_id, one_chunk(StageInput(prompt="hi")), long, emit)
+    except (StageAborted, ReplicaDeadError) as exc:
+        errors.append(exc)
+
+
 async def test_a_request_vllm_could_not_drop_kills_the_replica_or_fails_its_stop() -> None:
     cfg = stage("thinker", THINKER, options={"cpu_bind": ["0", "1"]})
     b0, b1 = (VllmBackend(cfg, stage_index=0, replica=r) for r in (0, 1))
@@ -381,18 +399,7 @@ async def test_a_request_vllm_could_not_drop_kills_the_replica_or_fails_its_stop
         # 2. while stopping: the request in flight cannot be dropped, the stop fails with it
         held_started = trio.Event()
         held_errors: list[BaseException] = []
-
-        async def held() -> None:
-            async def emit(o: StageOutput) -> None:
-                held_started.set()
-                await trio.sleep_forever()  # as above: it is in flight when the stop comes
-
-            try:
-                await b1.run_request("held", one_chunk(StageInput(prompt="hi")), long, emit)
-            except (StageAborted, ReplicaDeadError) as exc:
-                held_errors.append(exc)
-
-        nursery.start_soon(held)
+        nursery.start_soon(run_held, b1, "held", held_started, held_errors)
         await held_started.wait()
         stop1.cancel()
     assert len(held_errors) == 1
@@ -440,19 +447,7 @@ async def test_a_crash_of_the_worker_loop_kills_the_replica_caused_by_it(
 
         await nursery.start(serve)
         first = trio.Event()
-
-        async def emit(o: StageOutput) -> None:
-            first.set()
-            await trio.sleep_forever()  # in flight when the loop breaks
-
-        async def request() -> None:
-            long = {**GREEDY, "max_tokens": 400}
-            try:
-                await backend.run_request("r", one_chunk(StageInput(prompt="hi")), long, emit)
-            except (StageAborted, ReplicaDeadError) as exc:
-                failures.append(exc)
-
-        nursery.start_soon(request)
+        nursery.start_soon(run_held, backend, "r", first, failures)  # in flight when it breaks
         await first.wait()
         ((loop, crash),) = triggers
         loop.call_soon_threadsafe(crash.set)
