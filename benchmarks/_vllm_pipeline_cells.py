@@ -12,7 +12,9 @@ from omni_trio.stages._vllm_protocol import CPU_ENGINE_DEFAULTS
 
 PROMPTS = [f"request {i}: the tiny omni model sings a song about the river" for i in range(997)]
 LAYOUTS = ("core0", "spread")
-SYSTEMS = ("hand", "omni")
+SYSTEMS = ("hand", "omni", "trio")
+#: what runs unless asked: ``trio`` (the floor under omni-trio's design) only on request
+DEFAULT_SYSTEMS = ("hand", "omni")
 
 
 def stage_models(n_stages: int) -> list[str]:

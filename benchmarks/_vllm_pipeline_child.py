@@ -1,6 +1,7 @@
 """The subprocess of one ``bench_vllm_pipeline.py`` run: one system on one cell. ``hand``
 drives one vLLM ``AsyncLLM`` per stage from plain asyncio; ``omni`` runs the same pipeline
-through ``omni_trio.open_engine``. Both time the same batches (:func:`run_batches`) and report
+through ``omni_trio.open_engine``; ``trio`` is the floor under omni-trio's design
+(:mod:`_vllm_pipeline_trio`). Both time the same batches (:func:`run_batches`) and report
 the same fields (:func:`child_result`)."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from _vllm_pipeline_procs import (
     still_there,
     stop_breakdown,
     stop_log,
+    stop_one_by_one,
     thread_cpu,
 )
 from _vllm_pipeline_summary import (
@@ -30,6 +32,7 @@ from _vllm_pipeline_summary import (
     cpu_ms_per_request_stage,
     cpu_split_ms_per_request_stage,
 )
+from _vllm_pipeline_trio import run_trio
 
 
 def child_main(a: argparse.Namespace) -> None:
@@ -38,7 +41,10 @@ def child_main(a: argparse.Namespace) -> None:
     re-raise)."""
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     try:
-        result = (run_hand if a.child == "hand" else run_omni)(a)
+        if a.child == "trio":
+            result = run_trio(a, child_result, run_batches)
+        else:
+            result = (run_hand if a.child == "hand" else run_omni)(a)
     except Exception as exc:
         # the engines are closed by now: what is still there was left by the failed run
         error = {"error": f"{type(exc).__name__}: {exc}", "children": descendants()}
@@ -160,22 +166,11 @@ def run_hand(a: argparse.Namespace) -> dict[str, Any]:
                 idle = await measure_idle(engine_groups(), asyncio.sleep, a.idle_s)
             procs = descendants()
         finally:
-            groups = engine_groups()
-            watch = ExitWatch([pid for group in groups.values() for pid in group])
-            phases: list[tuple[str, tuple[int, ...], float]] = []
-            t_close, m_close = time.perf_counter(), time.monotonic()
-            for engine in engines:
-                manager = engine.engine_core.resources.engine_manager
-                cores = tuple(p.pid for p in manager.processes)
-                phases.append(("begin", cores, time.monotonic()))
-                engine.shutdown()
-                phases.append(("end", cores, time.monotonic()))
-            shutdown_s = time.perf_counter() - t_close
-            m_closed = time.monotonic()
-            # vLLM's own stop may leave the worker of a killed EngineCore behind: its exit
-            # still ends the engine's own stop (not part of close, which has returned)
-            stops = engine_stops(groups, phases, watch.close(wait=LEFTOVER_GRACE_S))
-        stop = stop_breakdown(m_close, m_closed, stops)
+
+            def cores(engine: Any) -> tuple[int, ...]:
+                return tuple(p.pid for p in engine.engine_core.resources.engine_manager.processes)
+
+            shutdown_s, stop = stop_one_by_one([(cores(e), e.shutdown) for e in engines])
         return child_result(timing, init_s, shutdown_s, procs, a, stop, idle)
 
     return asyncio.run(main())

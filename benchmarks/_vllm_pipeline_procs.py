@@ -297,3 +297,25 @@ def idle_cpu(before: dict[str, Any], after: dict[str, Any], seconds: float) -> d
             str(core): after["engines"][core] - cpu for core, cpu in before["engines"].items()
         },
     }
+
+
+def stop_one_by_one(
+    engines: Sequence[tuple[tuple[int, ...], Callable[[], object]]],
+) -> tuple[float, dict[str, Any]]:
+    """Stop engines one after the other, as a plain program does: each is (its EngineCore
+    pids, a blocking call that stops it). Returns the close's seconds and its
+    :func:`stop_breakdown`."""
+    groups = engine_groups()
+    watch = ExitWatch([pid for group in groups.values() for pid in group])
+    phases: list[tuple[str, tuple[int, ...], float]] = []
+    t_close, m_close = time.perf_counter(), time.monotonic()
+    for cores, stop in engines:
+        phases.append(("begin", cores, time.monotonic()))
+        stop()
+        phases.append(("end", cores, time.monotonic()))
+    shutdown_s = time.perf_counter() - t_close
+    m_closed = time.monotonic()
+    # vLLM's own stop may leave the worker of a killed EngineCore behind: its exit still ends
+    # the engine's own stop (not part of close, which has returned)
+    stops = engine_stops(groups, phases, watch.close(wait=LEFTOVER_GRACE_S))
+    return shutdown_s, stop_breakdown(m_close, m_closed, stops)

@@ -40,10 +40,12 @@ def spread(values: Sequence[float]) -> dict[str, float] | None:
 
 
 def paired_ratios(
-    passes: Sequence[dict[str, dict[str, Any]]], key: Callable[[dict[str, Any]], float]
+    passes: Sequence[dict[str, dict[str, Any]]],
+    key: Callable[[dict[str, Any]], float],
+    system: str = "omni",
 ) -> list[float]:
-    """omni/hand of ``key`` for every pass where both systems produced a result."""
-    return [key(p["omni"]) / key(p["hand"]) for p in passes if succeeded(p, "hand", "omni")]
+    """``system``/hand of ``key`` for every pass where both systems produced a result."""
+    return [key(p[system]) / key(p["hand"]) for p in passes if succeeded(p, "hand", system)]
 
 
 def succeeded(one_pass: dict[str, dict[str, Any]], *systems: str) -> bool:
@@ -68,6 +70,13 @@ def summarize_cell(
         """``field`` of the system's result in every pass (None where it failed)."""
         return [field(p[system]) if succeeded(p, system) else None for p in passes]
 
+    floor = {}
+    if "trio" in systems:
+        # the floor under omni-trio's design, against the same hand-driven program
+        floor = {
+            "trio_ratio": spread(paired_ratios(passes, _rps, "trio")),
+            "trio_cpu_ratio": spread(paired_ratios(passes, _cpu, "trio")),
+        }
     return {
         "cell": cell_name(n_stages, layout),
         "stages": n_stages,
@@ -100,6 +109,7 @@ def summarize_cell(
         "errors": {
             s: [p[s]["error"] for p in passes if s in p and "error" in p[s]] for s in systems
         },
+        **floor,
     }
 
 
@@ -110,6 +120,14 @@ def summary_row(cell: dict[str, Any]) -> dict[str, Any]:
     def r3(x: float | None) -> float | None:
         return None if x is None else round(x, 3)
 
+    floor = {}
+    if "trio_ratio" in cell:
+        trio_ratio, trio_cpu = cell["trio_ratio"], cell["trio_cpu_ratio"]
+        floor = {
+            "cpu_ms_trio": r3(cell["cpu_ms_per_request_stage_median"].get("trio")),
+            "trio_ratio": trio_ratio and r3(trio_ratio["median"]),
+            "trio_cpu_ratio": trio_cpu and r3(trio_cpu["median"]),
+        }
     return {
         "ratio": ratio and r3(ratio["median"]),
         "spread": ratio and [r3(ratio["min"]), r3(ratio["max"])],
@@ -130,6 +148,7 @@ def summary_row(cell: dict[str, Any]) -> dict[str, Any]:
             len(r["after_grace"]) for v in cell["leftover"].values() for r in v
         ),
         "failed_runs": sum(len(v) for v in cell["errors"].values()),
+        **floor,
     }
 
 

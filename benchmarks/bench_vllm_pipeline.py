@@ -16,6 +16,11 @@ Systems, each run in a fresh subprocess:
   one after the other and shut down one after the other with vLLM's default timeout, as a
   plain program would.
 - ``omni``: the same pipeline through ``omni_trio.open_engine``, ``output_stages=[last]``.
+- ``trio`` (only with ``--systems``): the floor under omni-trio's design, the least a trio
+  program pays to drive the same engines from worker threads with no orchestrator
+  (``_vllm_pipeline_trio.py``). ``trio_ratio`` and ``trio_cpu_ratio`` compare it with
+  ``hand`` as ``ratio`` and ``cpu_ratio`` compare omni-trio: what the design costs, and what
+  omni-trio adds on top of it.
 
 Workload: a warm-up batch, then ``--batches`` timed batches; a batch submits ``--requests``
 requests at once, ``--tokens`` tokens per stage (greedy, ``ignore_eos``); the caller consumes
@@ -52,7 +57,7 @@ Reading the output (one JSON object on stdout; progress on stderr):
   tracker normally shows in ``at_exit`` only: it exits by itself when its parent has gone.
 
     python benchmarks/bench_vllm_pipeline.py [--stages 1,2,3] [--layouts core0,spread]
-        [--passes 3] [--requests 64] [--tokens 16] [--batches 3] [--systems hand,omni]
+        [--passes 3] [--requests 64] [--tokens 16] [--batches 3] [--systems hand,omni[,trio]]
         [--idle-s 0] [--child-timeout 1200]
 """
 
@@ -71,7 +76,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 # benchmarks/ is on sys.path (this file runs as a script, also in its subprocesses)
-from _vllm_pipeline_cells import LAYOUTS, SYSTEMS, Run, cell_name, plan_runs
+from _vllm_pipeline_cells import DEFAULT_SYSTEMS, LAYOUTS, SYSTEMS, Run, cell_name, plan_runs
 from _vllm_pipeline_child import child_main
 from _vllm_pipeline_procs import leftover
 from _vllm_pipeline_summary import describe, rounded, summarize_cell, summary_row
@@ -138,7 +143,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--stages", type=csv(int, (1, 2, 3)), default=[1, 2, 3])
     ap.add_argument("--layouts", type=csv(str, LAYOUTS), default=list(LAYOUTS))
-    ap.add_argument("--systems", type=csv(str, SYSTEMS), default=list(SYSTEMS))
+    ap.add_argument("--systems", type=csv(str, SYSTEMS), default=list(DEFAULT_SYSTEMS))
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=16)

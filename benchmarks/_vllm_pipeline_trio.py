@@ -1,0 +1,218 @@
+"""The ``trio`` system of ``bench_vllm_pipeline.py``: the least a trio program pays to drive
+the same engines, with no orchestrator. It measures the floor under omni-trio's design (vLLM
+engines in worker threads, requests driven from one trio loop), not a product path.
+
+Each stage's ``AsyncLLM`` lives in its own worker thread on a plain asyncio loop (as in
+omni-trio), built there one after the other (the CPU binding is read from the environment when
+the engine spawns its core). A request is one trio task: for each stage in turn it registers
+a trio memory channel, hands the request to the stage's loop (``call_soon_threadsafe``) and
+reads its outputs, then feeds the finished token ids to the next stage. In the worker thread
+each request is an asyncio task that renders its prompt and iterates ``AsyncLLM.generate``
+as the hand-driven program does; what it yields is queued and sent to trio once per loop
+pass (``run_sync_soon``, one wake-up per engine step), where each output goes to its
+request's channel. Nothing else: no admission, no cancellation beyond the batch's nursery,
+no flow control, no statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import threading
+import time
+from typing import Any
+
+from _vllm_pipeline_cells import PROMPTS, bind_for, engine_args, stage_models
+from _vllm_pipeline_procs import descendants, engine_groups, measure_idle, stop_one_by_one
+
+#: (request id, token ids, finished) as the worker sends them; a failure as (id, exc, True)
+Item = tuple[str, Any, bool]
+
+
+class StageThread:
+    """One stage's AsyncLLM on its own asyncio loop in a worker thread."""
+
+    def __init__(self, name: str, model: str, trio_token: Any, deliver: Any) -> None:
+        self.name = name
+        self.model = model
+        self._token = trio_token
+        self._deliver = deliver
+        self.engine: Any = None
+        self.loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._built = threading.Event()
+        self._pending: list[Item] = []
+        self._thread = threading.Thread(target=self._main, name=name)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        """Start the thread and wait (blocking) until its engine is built."""
+        self._thread.start()
+        self._built.wait()
+        if self.error is not None:
+            raise self.error
+
+    def submit(self, request_id: str, prompt: Any, params: Any) -> None:
+        """From trio: start a request on this stage. Thread-safe, never blocks."""
+        self.loop.call_soon_threadsafe(self._start, request_id, prompt, params)
+
+    def stop(self) -> None:
+        """Shut the engine down in its thread and join it (blocking)."""
+        assert self._stop is not None
+        self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join()
+
+    def core_pids(self) -> tuple[int, ...]:
+        manager = self.engine.engine_core.resources.engine_manager
+        return tuple(p.pid for p in manager.processes)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._serve())
+        finally:
+            self.loop.close()
+
+    async def _serve(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from omni_trio.models import resolve_model
+
+        self._stop = asyncio.Event()
+        try:
+            args = {**engine_args(self.model), "model": resolve_model(self.model)}
+            self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        except BaseException as exc:
+            self.error = exc
+            raise
+        finally:
+            self._built.set()
+        tasks: set[asyncio.Task[None]] = set()
+        self._tasks = tasks
+        try:
+            await self._stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.engine.shutdown()
+
+    def _start(self, request_id: str, prompt: Any, params: Any) -> None:
+        task = self.loop.create_task(self._request(request_id, prompt, params))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _render(self, raw: Any) -> Any:
+        # as the hand-driven program does: vLLM then needs no tokenizing executor thread
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+        engine = self.engine
+        parsed = parse_model_prompt(engine.model_config, raw)
+        (rendered,) = engine.renderer.render_cmpl([parsed], engine.renderer.default_cmpl_tok_params)
+        return rendered
+
+    async def _request(self, request_id: str, prompt: Any, params: Any) -> None:
+        try:
+            prompt = self._render(prompt)
+            async for out in self.engine.generate(prompt, params, request_id):
+                self._post((request_id, out.outputs[0].token_ids, out.finished))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._post((request_id, exc, True))
+
+    def _post(self, item: Item) -> None:
+        if not self._pending:
+            # after every request task of this loop pass (one engine step) has posted
+            self.loop.call_soon(self._flush)
+        self._pending.append(item)
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        self._token.run_sync_soon(self._deliver, batch)
+
+
+def run_trio(a: argparse.Namespace, child_result: Any, run_batches: Any) -> dict[str, Any]:
+    import trio
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    def params(kind: RequestOutputKind) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=a.tokens, temperature=0.0, ignore_eos=True, output_kind=kind
+        )
+
+    inner, last = params(RequestOutputKind.FINAL_ONLY), params(RequestOutputKind.DELTA)
+    channels: dict[str, Any] = {}  # request id -> the send side of its trio channel
+
+    def deliver(batch: list[Item]) -> None:
+        for rid, payload, finished in batch:
+            send = channels[rid]
+            send.send_nowait((payload, finished))
+            if finished:
+                del channels[rid]
+
+    async def run_stage(stage: StageThread, rid: str, prompt: Any, sp: Any) -> int | list[int]:
+        """The stage's tokens of one request: their count for the last stage (``sp`` is
+        ``last``), else the finished output's token ids."""
+        send, receive = trio.open_memory_channel[tuple[Any, bool]](math.inf)
+        channels[rid] = send
+        stage.submit(rid, prompt, sp)
+        got, finished = 0, False
+        while not finished:
+            payload, finished = await receive.receive()
+            if isinstance(payload, BaseException):
+                raise payload
+            if sp is not last:
+                return list(payload)  # FINAL_ONLY: the one output is the finished one
+            got += len(payload)
+        return got
+
+    async def one(stages: list[StageThread], i: int, tag: str) -> int:
+        prompt: Any = PROMPTS[i]
+        for k, stage in enumerate(stages[:-1]):
+            ids = await run_stage(stage, f"{tag}-{i}-{k}", prompt, inner)
+            prompt = {"prompt_token_ids": ids}
+        got = await run_stage(stages[-1], f"{tag}-{i}-{len(stages) - 1}", prompt, last)
+        assert isinstance(got, int)
+        return got
+
+    async def main() -> dict[str, Any]:
+        from omni_trio.stages.vllm import THREAD_PREFIX
+
+        token = trio.lowlevel.current_trio_token()
+        stages: list[StageThread] = []
+        idle = None
+        t0 = time.perf_counter()
+        try:
+            for k, model in enumerate(stage_models(a.child_stages)):
+                # named like omni-trio's stage threads: thread_cpu counts them as engine threads
+                stage = StageThread(f"{THREAD_PREFIX}-floor{k}", model, token, deliver)
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind_for(a.child_layout, k)
+                stages.append(stage)
+                stage.start()
+            init_s = time.perf_counter() - t0
+
+            async def batch(tag: str) -> list[int]:
+                counts = [0] * a.requests
+
+                async def count(i: int) -> None:
+                    counts[i] = await one(stages, i, tag)
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(a.requests):
+                        nursery.start_soon(count, i)
+                return counts
+
+            timing = await run_batches(batch, a.requests, a.tokens, a.batches)
+            if a.idle_s > 0:
+                idle = await measure_idle(engine_groups(), trio.sleep, a.idle_s)
+            procs = descendants()
+        finally:
+            built = [stage for stage in stages if stage.engine is not None]
+            shutdown_s, stop = stop_one_by_one([(st.core_pids(), st.stop) for st in built])
+        return dict(child_result(timing, init_s, shutdown_s, procs, a, stop, idle))
+
+    return trio.run(main)
