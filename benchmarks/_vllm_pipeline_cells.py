@@ -12,9 +12,12 @@ from omni_trio.stages._vllm_protocol import CPU_ENGINE_DEFAULTS
 
 PROMPTS = [f"request {i}: the tiny omni model sings a song about the river" for i in range(997)]
 LAYOUTS = ("core0", "spread")
-SYSTEMS = ("hand", "omni", "trio")
-#: what runs unless asked: ``trio`` (the floor under omni-trio's design) only on request
+SYSTEMS = ("hand", "omni", "trio", "shared")
+#: what runs unless asked: ``trio`` and ``shared`` (the floors under omni-trio's design, with a
+#: thread per engine or one for all) only on request
 DEFAULT_SYSTEMS = ("hand", "omni")
+#: the floors, each compared with ``hand`` in a cell's ``{floor}_ratio`` and ``{floor}_cpu_ratio``
+FLOORS = ("trio", "shared")
 
 
 def stage_models(n_stages: int) -> list[str]:

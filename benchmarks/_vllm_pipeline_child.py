@@ -1,7 +1,7 @@
 """The subprocess of one ``bench_vllm_pipeline.py`` run: one system on one cell. ``hand``
 drives one vLLM ``AsyncLLM`` per stage from plain asyncio; ``omni`` runs the same pipeline
-through ``omni_trio.open_engine``; ``trio`` is the floor under omni-trio's design
-(:mod:`_vllm_pipeline_trio`). Both time the same batches (:func:`run_batches`) and report
+through ``omni_trio.open_engine``; ``trio`` and ``shared`` are the floors under omni-trio's
+design (:mod:`_vllm_pipeline_trio`). All time the same batches (:func:`run_batches`) and report
 the same fields (:func:`child_result`)."""
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ from _vllm_pipeline_trio import run_trio
 
 
 def child_main(a: argparse.Namespace) -> None:
-    """The subprocess: run ``a.child`` (``hand`` or ``omni``) and print its result as one
+    """The subprocess: run ``a.child`` (a system of ``SYSTEMS``) and print its result as one
     ``RESULT {json}`` line on stdout (on failure the error and what is still there, then
     re-raise)."""
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     try:
-        if a.child == "trio":
-            result = run_trio(a, child_result, run_batches)
+        if a.child in ("trio", "shared"):
+            result = run_trio(a, child_result, run_batches, shared=a.child == "shared")
         else:
             result = (run_hand if a.child == "hand" else run_omni)(a)
     except Exception as exc:

@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from _vllm_pipeline_cells import Run, bind_for, cell_name
+from _vllm_pipeline_cells import FLOORS, Run, bind_for, cell_name
 
 
 def batch_throughput(walls: Sequence[float], requests: int) -> dict[str, float]:
@@ -71,12 +71,11 @@ def summarize_cell(
         return [field(p[system]) if succeeded(p, system) else None for p in passes]
 
     floor = {}
-    if "trio" in systems:
-        # the floor under omni-trio's design, against the same hand-driven program
-        floor = {
-            "trio_ratio": spread(paired_ratios(passes, _rps, "trio")),
-            "trio_cpu_ratio": spread(paired_ratios(passes, _cpu, "trio")),
-        }
+    for s in FLOORS:
+        if s in systems:
+            # a floor under omni-trio's design, against the same hand-driven program
+            floor[f"{s}_ratio"] = spread(paired_ratios(passes, _rps, s))
+            floor[f"{s}_cpu_ratio"] = spread(paired_ratios(passes, _cpu, s))
     return {
         "cell": cell_name(n_stages, layout),
         "stages": n_stages,
@@ -121,13 +120,12 @@ def summary_row(cell: dict[str, Any]) -> dict[str, Any]:
         return None if x is None else round(x, 3)
 
     floor = {}
-    if "trio_ratio" in cell:
-        trio_ratio, trio_cpu = cell["trio_ratio"], cell["trio_cpu_ratio"]
-        floor = {
-            "cpu_ms_trio": r3(cell["cpu_ms_per_request_stage_median"].get("trio")),
-            "trio_ratio": trio_ratio and r3(trio_ratio["median"]),
-            "trio_cpu_ratio": trio_cpu and r3(trio_cpu["median"]),
-        }
+    for s in FLOORS:
+        if f"{s}_ratio" in cell:
+            floor_ratio, floor_cpu = cell[f"{s}_ratio"], cell[f"{s}_cpu_ratio"]
+            floor[f"cpu_ms_{s}"] = r3(cell["cpu_ms_per_request_stage_median"].get(s))
+            floor[f"{s}_ratio"] = floor_ratio and r3(floor_ratio["median"])
+            floor[f"{s}_cpu_ratio"] = floor_cpu and r3(floor_cpu["median"])
     return {
         "ratio": ratio and r3(ratio["median"]),
         "spread": ratio and [r3(ratio["min"]), r3(ratio["max"])],

@@ -21,6 +21,9 @@ Systems, each run in a fresh subprocess:
   (``_vllm_pipeline_trio.py``). ``trio_ratio`` and ``trio_cpu_ratio`` compare it with
   ``hand`` as ``ratio`` and ``cpu_ratio`` compare omni-trio: what the design costs, and what
   omni-trio adds on top of it.
+- ``shared`` (only with ``--systems``): the same floor with every engine on one shared worker
+  thread instead of one each (``shared_ratio``, ``shared_cpu_ratio``): whether one vLLM host
+  thread per process would cost less than a thread per engine.
 
 Workload: a warm-up batch, then ``--batches`` timed batches; a batch submits ``--requests``
 requests at once, ``--tokens`` tokens per stage (greedy, ``ignore_eos``); the caller consumes
@@ -57,8 +60,8 @@ Reading the output (one JSON object on stdout; progress on stderr):
   tracker normally shows in ``at_exit`` only: it exits by itself when its parent has gone.
 
     python benchmarks/bench_vllm_pipeline.py [--stages 1,2,3] [--layouts core0,spread]
-        [--passes 3] [--requests 64] [--tokens 16] [--batches 3] [--systems hand,omni[,trio]]
-        [--idle-s 0] [--child-timeout 1200]
+        [--passes 3] [--requests 64] [--tokens 16] [--batches 3]
+        [--systems hand,omni[,trio][,shared]] [--idle-s 0] [--child-timeout 1200]
 """
 
 from __future__ import annotations

@@ -121,28 +121,35 @@ def test_one_system_only_has_no_ratio() -> None:
     assert summary.summary_row(cell)["spread"] is None
 
 
-def test_the_trio_floor_is_compared_with_hand_and_only_when_it_ran() -> None:
+def test_the_floors_are_compared_with_hand_and_only_when_they_ran() -> None:
     passes = [
         {"hand": _result(100, 2.0), "omni": _result(90, 3.0), "trio": _result(95, 2.4)},
         {"hand": _result(100, 2.0), "omni": _result(80, 3.0), "trio": {"error": "boom"}},
         {"hand": _result(50, 1.0), "omni": _result(45, 1.5), "trio": _result(50, 1.1)},
     ]
-    cell = summary.summarize_cell(1, "core0", passes, ["hand", "omni", "trio"])
-    # trio/hand over the passes where both ran; omni/hand as before
+    shared = (_result(110, 1.8), _result(90, 2.2), _result(40, 1.2))
+    for p, floor in zip(passes, shared, strict=True):
+        p["shared"] = floor
+    cell = summary.summarize_cell(2, "core0", passes, ["hand", "omni", "trio", "shared"])
+    # each floor/hand over the passes where both ran; omni/hand as before
     assert cell["trio_ratio"] == {"median": 0.975, "min": 0.95, "max": 1.0}
     assert cell["trio_cpu_ratio"]["median"] == pytest.approx(1.15)
+    assert cell["shared_ratio"] == {"median": 0.9, "min": 0.8, "max": 1.1}
+    assert cell["shared_cpu_ratio"]["median"] == pytest.approx(1.1)
     assert cell["ratio"]["median"] == pytest.approx(0.9)
     row = summary.summary_row(cell)
     assert (row["cpu_ms_trio"], row["trio_ratio"], row["trio_cpu_ratio"]) == (1.75, 0.975, 1.15)
+    assert (row["cpu_ms_shared"], row["shared_ratio"], row["shared_cpu_ratio"]) == (1.8, 0.9, 1.1)
     assert row["failed_runs"] == 1
     # without it, neither the cell nor its row mentions it
     two = summary.summarize_cell(
         1, "core0", [{k: p[k] for k in ("hand", "omni")} for p in passes], ["hand", "omni"]
     )
     assert "trio_ratio" not in two and "trio_ratio" not in summary.summary_row(two)
-    # it runs only when asked for
+    assert "shared_ratio" not in two and "cpu_ms_shared" not in summary.summary_row(two)
+    # they run only when asked for
     assert bench.parse_args([]).systems == ["hand", "omni"]
-    assert bench.parse_args(["--systems", "hand,omni,trio"]).systems == ["hand", "omni", "trio"]
+    assert bench.parse_args(["--systems", "hand,trio,shared"]).systems == ["hand", "trio", "shared"]
 
 
 def test_throughput_and_cpu_per_request_stage() -> None:
