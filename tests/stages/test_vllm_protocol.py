@@ -58,6 +58,22 @@ def test_metrics_are_built_only_for_the_finished_output() -> None:
     }
 
 
+@dataclass
+class _NestedMetrics:
+    num_generation_tokens: int
+    spans: list[float]
+
+
+def test_metrics_are_plain_values_that_share_nothing_with_vllms() -> None:
+    nested = _NestedMetrics(2, [0.5, 1.5])
+    ro = _RequestOutput([_Completion([7], "c", "stop")], True, metrics=nested)  # type: ignore[arg-type]
+    metrics = to_stage_output(ro).metrics
+    assert metrics is not None and metrics["spans"] == [0.5, 1.5]
+    # a nested value is a copy: vLLM changing its own does not change the output's
+    nested.spans.append(9.0)
+    assert metrics["spans"] == [0.5, 1.5] and metrics["num_generation_tokens"] == 2
+
+
 def test_request_options_only_what_is_not_vllms_default() -> None:
     from omni_trio.context import RequestContext
     from omni_trio.stages._vllm_protocol import request_options
