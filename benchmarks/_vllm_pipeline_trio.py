@@ -94,22 +94,21 @@ class EngineHost:
         from omni_trio.models import resolve_model
 
         try:
-            for model, bind in self._stages:
-                # read when the engine spawns its core: built one after the other
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
-                args = {**engine_args(model), "model": resolve_model(model)}
-                self.engines.append(AsyncLLM.from_engine_args(AsyncEngineArgs(**args)))
-        except BaseException as exc:
-            self.error = exc
-            raise
-        finally:
-            self._built.set()
-            if self.error is not None:
-                for k in range(len(self.engines)):
-                    await self._shutdown(k)
-        try:
+            try:
+                for model, bind in self._stages:
+                    # read when the engine spawns its core: built one after the other
+                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+                    args = {**engine_args(model), "model": resolve_model(model)}
+                    self.engines.append(AsyncLLM.from_engine_args(AsyncEngineArgs(**args)))
+            except BaseException as exc:
+                self.error = exc
+                raise
+            finally:
+                self._built.set()
             await self._stop.wait()
         finally:
+            # every engine built, also those before a failed build (stop_engine may have
+            # stopped some already)
             for k in range(len(self.engines)):
                 await self._shutdown(k)
 
