@@ -28,3 +28,9 @@ async def test_a_cell_reports_the_ratio_against_both_floors(autojump_clock):
     (cell_1, *_rest) = await scripted.throughput_cells(outputs=4, passes=1, quick=True)
     assert cell_1["stages"] == 1 and cell_1["concurrency"] == 1
     assert cell_1["ratio_cpu"] > 0 and cell_1["ratio_cpu_vs_consumer_floor"] > 0
+    # the bound the reading task puts on ratio_cpu is the consumer floor over the plain floor:
+    # with one pass, omni/floor = omni/consumer floor x consumer floor/floor (3-digit rounding)
+    bound = cell_1["consumer_floor_ratio_cpu"]
+    assert bound > 0
+    product = cell_1["ratio_cpu_vs_consumer_floor"] * bound
+    assert product == pytest.approx(cell_1["ratio_cpu"], rel=0.01, abs=0.002)
