@@ -13,6 +13,8 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import trio
@@ -275,4 +277,70 @@ async def fake_engine_cells(n_requests: int, passes: int, shape: dict[str, Any])
                 "hop": {k: round(v, 4) for k, v in hop_stats(n_stages).items()},
             }
         )
+    return cells
+
+
+#: the token counts of ``fake_cpu_cells``: one output per request, then 16
+CPU_TOKENS = (1, 16)
+
+
+def cost_split(us_per_request: dict[int, float]) -> dict[str, float]:
+    """Thread CPU microseconds per request at each of :data:`CPU_TOKENS` -> the fixed cost
+    of a request (its 1-token figure, which includes that one output) and the cost of each
+    further output (the slope between the two). Pure."""
+    few, many = CPU_TOKENS
+    per_output = (us_per_request[many] - us_per_request[few]) / (many - few)
+    return {"fixed_us_per_request": us_per_request[few], "us_per_output": per_output}
+
+
+async def _omni_batch(engine: Any, n_requests: int, tokens: int, b: int) -> None:
+    await run_fake_omni(engine, n_requests, f"cpu-{tokens}-{b}", tokens)
+
+
+async def _floor_batch(n_stages: int, n_requests: int, shape: dict[str, Any], b: int) -> None:
+    await run_fake_floor(n_stages, n_requests, shape)
+
+
+async def _thread_cpu_us(run: Callable[[int], Awaitable[None]], batches: int, n_requests: int) -> float:
+    c0 = time.thread_time()
+    for b in range(batches):
+        await run(b)
+    return (time.thread_time() - c0) * 1e6 / (batches * n_requests)
+
+
+async def fake_cpu_cells(n_requests: int, passes: int, batches: int) -> list[dict[str, Any]]:
+    """The trio thread's CPU per request, omni-trio against the floor, with fake engines
+    whose steps take no time (``step_s=0``, every request in a slot): what is left is each
+    side's own Python work per request, as a vllm stage's trio side does it (outputs handed
+    on through ``emit.nowait``). 1 and 3 stages, 1 and 16 tokens per request; per stage
+    count, :func:`cost_split` of each side's medians: the fixed cost of a request and the
+    cost of each further output. Interleaved passes of ``batches`` batches each."""
+    cells = []
+    for n_stages in (1, 3):
+        medians: dict[str, dict[int, float]] = {"omni": {}, "floor": {}}
+        for tokens in CPU_TOKENS:
+            shape = {"slots": n_requests, "step_s": 0.0, "tokens": tokens}
+            omni_us, floor_us = [], []
+            async with omni_trio.open_engine(fake_pipeline(n_stages, shape)) as engine:
+                omni = partial(_omni_batch, engine, n_requests, tokens)
+                floor = partial(_floor_batch, n_stages, n_requests, shape)
+                await omni(-1)  # warm-up
+                await floor(-1)
+                for p in range(passes):
+                    # interleaved, alternating which side goes first
+                    if p % 2:
+                        omni_us.append(await _thread_cpu_us(omni, batches, n_requests))
+                        floor_us.append(await _thread_cpu_us(floor, batches, n_requests))
+                    else:
+                        floor_us.append(await _thread_cpu_us(floor, batches, n_requests))
+                        omni_us.append(await _thread_cpu_us(omni, batches, n_requests))
+            medians["omni"][tokens] = statistics.median(omni_us)
+            medians["floor"][tokens] = statistics.median(floor_us)
+        cell: dict[str, Any] = {"stages": n_stages, "requests": n_requests}
+        for side, by_tokens in medians.items():
+            cell[side] = {
+                **{f"us_per_request_{t}_tokens": round(v, 1) for t, v in by_tokens.items()},
+                **{k: round(v, 2) for k, v in cost_split(by_tokens).items()},
+            }
+        cells.append(cell)
     return cells

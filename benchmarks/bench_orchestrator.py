@@ -8,6 +8,8 @@
    passes, median ratio. The engine runs on the same trio loop, so every millisecond of CPU
    the orchestrator spends between two steps delays the next step: the ratio is what the
    orchestrator's CPU per step costs the engines. Also the per-hop latency under that load.
+   And (``fake_cpu``) the same engines with steps that take no time: the trio thread's CPU
+   per request of each side, split into a request's fixed cost and each further output's.
 2. Scripted zero-latency stages (``throughput``): 1 and 3 stages x 1 / 100 / 1000 concurrent
    requests x 16 outputs, through ``open_engine`` and chained by hand (``run_floor``): the
    ratio of outputs per wall second and per CPU second (the machine is shared: CPU time is
@@ -49,7 +51,7 @@ import psutil
 import trio
 
 # benchmarks/ is on sys.path (this file runs as a script)
-from _orchestrator_fake import fake_engine_cells
+from _orchestrator_fake import fake_cpu_cells, fake_engine_cells
 from _orchestrator_scripted import PROMPT, hop_latency, pipeline, throughput_cells
 
 import omni_trio
@@ -135,6 +137,7 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
     worst_vs_consumer = min(c["ratio_cpu_vs_consumer_floor"] for c in results["throughput"])
     lowest_bound = min(c["consumer_floor_ratio_cpu"] for c in results["throughput"])
     kib = results["memory"]["python_heap_per_request_kib"]
+    one_stage = results["fake_cpu"][0]
     kib_1 = results["memory_1_stage"]["python_heap_per_request_kib"]
     kib_last = results["memory_3_stages_in_last"]["python_heap_per_request_kib"]
     return {
@@ -148,6 +151,16 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
         # not a target: the hand-chained stages with the reading task against the same
         # without it, in the cell where that bound is lowest (see consumer_floor_ratio_cpu)
         "scripted_consumer_floor_ratio": [lowest_bound, None],
+        # not a target: with the 1-stage fake engine, omni-trio's fixed CPU per request and
+        # per further output against the floor's (what the trio side adds per vllm request)
+        "fake_cpu_fixed_us_per_request_omni_floor": [
+            one_stage["omni"]["fixed_us_per_request"],
+            one_stage["floor"]["fixed_us_per_request"],
+        ],
+        "fake_cpu_us_per_output_omni_floor": [
+            one_stage["omni"]["us_per_output"],
+            one_stage["floor"]["us_per_output"],
+        ],
         "heap_per_request_lt_10_kib_3_stages": [kib, kib < 10],
         "heap_per_request_lt_10_kib_1_stage": [kib_1, kib_1 < 10],
         "heap_per_request_lt_10_kib_3_stages_in_last": [kib_last, kib_last < 10],
@@ -167,6 +180,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     results["fake_engine"] = await fake_engine_cells(
         16 if args.quick else args.fake_requests, args.passes, shape
     )
+    results["fake_cpu"] = await fake_cpu_cells(64, args.passes, 2 if args.quick else 20)
     results["throughput"] = await throughput_cells(args.outputs, args.passes, args.quick)
     results["hop_latency"] = {
         k: round(v, 4)

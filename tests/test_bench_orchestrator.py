@@ -59,3 +59,22 @@ async def test_a_consumer_leaving_mid_stream_leaves_nothing(autojump_clock):
                         break
             stats = engine.statistics()
             assert stats.requests_in_flight == 0 and stats.stage_requests_in_flight == 0
+
+
+def test_cost_split_is_the_one_token_figure_and_the_slope_to_sixteen():
+    assert fake.CPU_TOKENS == (1, 16)
+    split = fake.cost_split({1: 100.0, 16: 250.0})
+    assert split == {"fixed_us_per_request": 100.0, "us_per_output": 10.0}
+
+
+async def test_fake_cpu_cells_measure_both_sides_at_each_size(autojump_clock):
+    cells = await fake.fake_cpu_cells(4, passes=1, batches=1)
+    assert [c["stages"] for c in cells] == [1, 3]
+    for cell in cells:
+        for side in ("omni", "floor"):
+            figures = cell[side]
+            few, many = figures["us_per_request_1_tokens"], figures["us_per_request_16_tokens"]
+            assert few > 0 and many > 0  # thread CPU was spent on each side
+            # the split is made of the two sizes' own figures
+            assert abs(figures["fixed_us_per_request"] - few) < 0.06
+            assert abs(figures["us_per_output"] - (many - few) / 15) < 0.02  # from rounded figures
