@@ -301,7 +301,9 @@ async def _floor_batch(n_stages: int, n_requests: int, shape: dict[str, Any], b:
     await run_fake_floor(n_stages, n_requests, shape)
 
 
-async def _thread_cpu_us(run: Callable[[int], Awaitable[None]], batches: int, n_requests: int) -> float:
+async def _thread_cpu_us(
+    run: Callable[[int], Awaitable[None]], batches: int, n_requests: int
+) -> float:
     c0 = time.thread_time()
     for b in range(batches):
         await run(b)
