@@ -75,6 +75,7 @@ def _max_tokens(value: int | None) -> int | None:
 async def _run_pipeline(
     args: argparse.Namespace, config: PipelineConfig, prompts: Sequence[str]
 ) -> RunSummary:
+    from ._heap import frozen_heap
     from .engine import open_engine
     from .progress import open_engine_with_progress
 
@@ -85,7 +86,10 @@ async def _run_pipeline(
         engine.add_observer(timer)
         if args.log_stats:
             print(format_init_table(engine), flush=True)
-        written = await run_prompts(engine, prompts, Path(args.output_dir), args.max_tokens, timer)
+        with frozen_heap():  # this process is ours: its startup heap out of full collections
+            written = await run_prompts(
+                engine, prompts, Path(args.output_dir), args.max_tokens, timer
+            )
         print(format_stage_times(timer), flush=True)
         if args.log_stats:
             print(format_statistics(engine.statistics()), flush=True)

@@ -4,6 +4,7 @@ stop even when a client never reads what it is sent."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import socket
@@ -207,6 +208,42 @@ async def test_a_shutdown_while_stages_start_stops_them_at_once():
         async with trio.open_nursery() as nursery:
             await nursery.start(partial(serve_engine, cfg, port=0, shutdown_trigger=stop.wait))
             stop.set()
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+async def test_serve_engine_freezes_the_startup_heap_while_it_serves(freeze):
+    cfg = scripted_pipeline(["thinker"], name="scripted", outputs=2)
+    stop = trio.Event()
+    frozen_when_ready: list[int] = []
+    ready = trio.Event()
+
+    def on_ready(engine: object, port: int) -> None:
+        frozen_when_ready.append(gc.get_freeze_count())
+        ready.set()
+
+    assert gc.get_freeze_count() == 0
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(
+                partial(
+                    serve_engine,
+                    cfg,
+                    port=0,
+                    shutdown_trigger=stop.wait,
+                    freeze_heap=freeze,
+                    on_ready=on_ready,
+                )
+            )
+            await ready.wait()
+            async with client_for(f"http://127.0.0.1:{port}") as http:
+                r = await http.post(
+                    "/v1/chat/completions", json={"model": "scripted", "messages": MSG}
+                )
+                assert r.status_code == 200
+            stop.set()
+    # frozen once the stages were up (the default), and undone when serving ended
+    assert len(frozen_when_ready) == 1 and (frozen_when_ready[0] > 0) == freeze
+    assert gc.get_freeze_count() == 0
 
 
 def test_refusal_by_phase():
