@@ -2,12 +2,12 @@
 
 A process that loaded vLLM and torch holds some 650 thousand objects the cyclic collector
 tracks (measured here: a 2-stage tiny-Llama pipeline after start-up). A full (generation 2)
-collection walks all of them: 360-390 ms here, with the GIL held, so the trio loop and every
-engine thread stop meanwhile. Under steady load one came about every 40 s (3 in 120 s, 1.07 s
-in all). vLLM's API server and its EngineCore freeze their startup heap for this reason; the
-processes omni-trio owns do the same with :func:`frozen_heap` once their engine is up
-(``serve_engine``, the command line's ``run``): the same 120 s gave 7 full collections of 11
-ms in all, the longest 2.4 ms (``benchmarks/bench_heap.py`` measures it).
+collection walks all of them, 320-430 ms here with the GIL held, so the trio loop and every
+engine thread stop meanwhile; under steady load (64 requests at a time) 4 came every 120 s,
+1.35-1.47 s in all. vLLM's API server and its EngineCore freeze their startup heap for this
+reason; the processes omni-trio owns do the same with :func:`frozen_heap` once their engine
+is up (``serve_engine``, the command line's ``run``): the same load then gave 8-10 full
+collections per 120 s, 10-13 ms in all, the longest 2.1 ms (``benchmarks/bench_heap.py``).
 
 Freezing is process-wide (``gc.freeze``): the objects alive at that moment are never
 collected while frozen, so the heap is unfrozen again when the last session that froze it
