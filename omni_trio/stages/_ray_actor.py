@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import msgspec
 import trio
 
+from .._heap import frozen_heap
 from ..config import StageConfig
 from ..errors import OmniTrioError, StageError
 from ..outputs import StageOutput
@@ -197,6 +199,8 @@ class ReplicaActor:
         self._serving: concurrent.futures.Future[None] | None = None
         # the host side of each request's run: drop() waits for it
         self._runs: dict[str, concurrent.futures.Future[None]] = {}
+        # the startup heap, frozen while the replica serves (start() to stop())
+        self._heap = contextlib.ExitStack()
 
     async def _on_host(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wrap_future(self._portal.start_task_soon(fn, *args))
@@ -206,6 +210,9 @@ class ReplicaActor:
         whether it takes interactions."""
         future, _ = await asyncio.to_thread(self._portal.start_task, self._host.serve)
         self._serving = future
+        # this process hosts this replica alone: its startup heap (Ray's, and vLLM's or
+        # torch's for such a stage) stays out of full collections while it serves
+        self._heap.enter_context(frozen_heap())
         return self._host.backend.takes_interactions
 
     async def sentinel(self) -> str:
@@ -323,17 +330,21 @@ class ReplicaActor:
         )
 
     async def stop(self) -> str | None:
-        """Stop the backend (bounded by its shutdown_timeout); its stop failure, if any."""
-        if self._serving is not None:
-            self._serving.cancel()
-            try:
-                await asyncio.wrap_future(self._serving)
-            except (concurrent.futures.CancelledError, asyncio.CancelledError):
-                pass
-            except Exception as exc:
-                return f"{type(exc).__name__}: {exc}"
-        failure = self._host.backend.stop_failure
-        return None if failure is None else f"{type(failure).__name__}: {failure}"
+        """Stop the backend (bounded by its shutdown_timeout); its stop failure, if any.
+        The startup heap is unfrozen either way."""
+        try:
+            if self._serving is not None:
+                self._serving.cancel()
+                try:
+                    await asyncio.wrap_future(self._serving)
+                except (concurrent.futures.CancelledError, asyncio.CancelledError):
+                    pass
+                except Exception as exc:
+                    return f"{type(exc).__name__}: {exc}"
+            failure = self._host.backend.stop_failure
+            return None if failure is None else f"{type(failure).__name__}: {failure}"
+        finally:
+            self._heap.close()
 
 
 async def _sync(fn: Callable[..., None], *args: Any) -> None:

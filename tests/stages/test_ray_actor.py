@@ -119,3 +119,30 @@ def test_a_failure_crosses_as_a_record_and_keeps_its_type(exc, raised):
         raise_record(record, "r")
     if raised is StageError:
         assert str(info.value).startswith("KeyError")
+
+
+def test_the_actor_freezes_its_startup_heap_from_start_to_stop():
+    # ReplicaActor is a plain class until ray.remote makes it an actor: run it on an asyncio
+    # loop here, as Ray's actor process would
+    import asyncio
+    import gc
+
+    import msgspec
+
+    from omni_trio.stages._ray_actor import ReplicaActor
+
+    stage = load_config({"stages": [{"id": "a", "final_output": True}]}).stages[0]
+    frozen: list[int] = []
+
+    async def life() -> str | None:
+        actor = ReplicaActor(msgspec.json.encode(stage), 0, 0, 5.0)
+        frozen.append(gc.get_freeze_count())
+        await actor.start()
+        frozen.append(gc.get_freeze_count())
+        failure = await actor.stop()
+        frozen.append(gc.get_freeze_count())
+        return failure
+
+    assert asyncio.run(life()) is None
+    # not before it started, through its serving, not after it stopped
+    assert frozen[0] == 0 and frozen[1] > 0 and frozen[2] == 0
