@@ -7,8 +7,8 @@ engine thread stop meanwhile; under steady load (64 requests at a time) 4 came e
 1.35-1.47 s in all. vLLM's API server and its EngineCore freeze their startup heap for this
 reason; the processes omni-trio owns do the same with :func:`frozen_heap` once their engine
 is up (``serve_engine``, the command line's ``run``, a Ray replica's actor from its start to
-its stop): the same load then gave 8-10 full
-collections per 120 s, 10-13 ms in all, the longest 2.1 ms (``benchmarks/bench_heap.py``).
+its stop): the same load then gave 8-10 full collections per 120 s, 10-13 ms in all, the
+longest 2.1 ms (``benchmarks/bench_heap.py``).
 
 Freezing is process-wide (``gc.freeze``): the objects alive at that moment are never
 collected while frozen, so the heap is unfrozen again when the last session that froze it
