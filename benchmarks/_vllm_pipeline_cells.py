@@ -87,3 +87,22 @@ def omni_config(n_stages: int, layout: str, tokens: int, requests: int) -> dict[
         "max_requests_in_flight": max(4096, 2 * requests),
         "stages": stages,
     }
+
+
+async def omni_batch(engine: Any, last: str, requests: int, tag: str) -> list[int]:
+    """One batch through an open omni-trio engine: ``requests`` requests at once (request i
+    asks ``PROMPTS[i]``), reading stage ``last``; the tokens each request got."""
+    import trio
+
+    counts = [0] * requests
+
+    async def one(i: int) -> None:
+        stream = engine.generate(PROMPTS[i], request_id=f"{tag}-{i}", output_stages=[last])
+        async with stream:
+            async for out in stream:
+                counts[i] += len(out.token_ids)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(requests):
+            nursery.start_soon(one, i)
+    return counts

@@ -13,7 +13,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from _vllm_pipeline_cells import PROMPTS, bind_for, engine_args, omni_config, stage_models
+from _vllm_pipeline_cells import (
+    PROMPTS,
+    bind_for,
+    engine_args,
+    omni_batch,
+    omni_config,
+    stage_models,
+)
 from _vllm_pipeline_procs import (
     LEFTOVER_GRACE_S,
     ExitWatch,
@@ -185,20 +192,6 @@ def run_omni(a: argparse.Namespace) -> dict[str, Any]:
     config = omni_config(a.child_stages, a.child_layout, a.tokens, a.requests)
     last = config["stages"][-1]["id"]
 
-    async def batch(engine: omni_trio.Engine, tag: str) -> list[int]:
-        counts = [0] * a.requests
-
-        async def one(i: int) -> None:
-            stream = engine.generate(PROMPTS[i], request_id=f"{tag}-{i}", output_stages=[last])
-            async with stream:
-                async for out in stream:
-                    counts[i] += len(out.token_ids)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(a.requests):
-                nursery.start_soon(one, i)
-        return counts
-
     async def main() -> dict[str, Any]:
         idle = None
         t0 = time.perf_counter()
@@ -206,7 +199,10 @@ def run_omni(a: argparse.Namespace) -> dict[str, Any]:
             async with omni_trio.open_engine(config) as engine:
                 init_s = time.perf_counter() - t0
                 timing = await run_batches(
-                    lambda tag: batch(engine, tag), a.requests, a.tokens, a.batches
+                    lambda tag: omni_batch(engine, last, a.requests, tag),
+                    a.requests,
+                    a.tokens,
+                    a.batches,
                 )
                 groups = engine_groups()
                 if a.idle_s > 0:

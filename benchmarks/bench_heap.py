@@ -33,7 +33,7 @@ os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 import trio
 
 # benchmarks/ is on sys.path (this file runs as a script)
-from _vllm_pipeline_cells import PROMPTS, omni_config
+from _vllm_pipeline_cells import omni_batch, omni_config
 
 import omni_trio
 from omni_trio._heap import frozen_heap
@@ -73,19 +73,8 @@ async def load(engine: Any, last: str, requests: int, seconds: float, tag: str) 
     t_end = time.perf_counter() + seconds
     batch = 0
     while batch == 0 or time.perf_counter() < t_end:
-
-        async def one(i: int, batch: int = batch) -> None:
-            nonlocal done
-            prompt = PROMPTS[i % len(PROMPTS)]
-            rid = f"{tag}-{batch}-{i}"
-            async with engine.generate(prompt, request_id=rid, output_stages=[last]) as s:
-                async for _ in s:
-                    pass
-            done += 1
-
-        async with trio.open_nursery() as nursery:
-            for i in range(requests):
-                nursery.start_soon(one, i)
+        await omni_batch(engine, last, requests, f"{tag}-{batch}")
+        done += requests
         batch += 1
     return done
 
