@@ -104,3 +104,14 @@ def test_run_freezes_the_heap_while_its_prompts_run(tmp_path, user_module, capsy
     frozen = sys.modules[module].FROZEN
     assert len(frozen) == 2 and all(n > 0 for n in frozen)
     assert gc.get_freeze_count() == 0  # undone once the run ended
+
+
+def test_a_run_whose_request_fails_still_unfreezes(tmp_path, capsys):
+    config = write(
+        tmp_path,
+        "name: one\nstages:\n  - id: a\n    final_output: true\n    options: {fail_at_output: 1}\n",
+        "fails.yaml",
+    )
+    assert main(["run", config, "--prompt", "hi"]) == 1  # a runtime failure
+    assert "StageError" in capsys.readouterr().err
+    assert gc.get_freeze_count() == 0

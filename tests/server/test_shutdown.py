@@ -9,11 +9,13 @@ import json
 import logging
 import socket
 from functools import partial
+from typing import Any
 
 import httpx
 import pytest
 import trio
 
+from omni_trio.errors import StageStartError
 from omni_trio.server import (
     ServerLifecycle,
     ServerPhase,
@@ -243,6 +245,60 @@ async def test_serve_engine_freezes_the_startup_heap_while_it_serves(freeze):
             stop.set()
     # frozen once the stages were up (the default), and undone when serving ended
     assert len(frozen_when_ready) == 1 and (frozen_when_ready[0] > 0) == freeze
+    assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("when", ["starting", "serving", "stopping"])
+async def test_serve_engine_cancelled_in_any_phase_leaves_the_heap_unfrozen(when):
+    # the stage's start takes a while (the cancel lands during it), and a request that never
+    # answers is in flight when the shutdown begins
+    cfg = scripted_pipeline(
+        ["thinker"],
+        name="scripted",
+        outputs=2,
+        stage_options={"thinker": {"start_delay_s": 0.2, "latency_s": 3600}},
+    )
+    stop = trio.Event()
+    ready = trio.Event()
+    engines: list[Any] = []
+
+    def on_ready(engine: Any, port: int) -> None:
+        engines.append(engine)
+        ready.set()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(
+                partial(serve_engine, cfg, port=0, shutdown_trigger=stop.wait, on_ready=on_ready)
+            )
+            if when != "starting":
+                await ready.wait()
+                assert gc.get_freeze_count() > 0
+            if when == "stopping":
+                admitted = admission_event(engines[0])
+
+                async def never_answered() -> None:
+                    async with client_for(f"http://127.0.0.1:{port}") as http:
+                        await http.post(
+                            "/v1/chat/completions", json={"model": "scripted", "messages": MSG}
+                        )
+
+                nursery.start_soon(never_answered)
+                await admitted.wait()
+                stop.set()  # the shutdown begins with the request in flight (its grace period)
+                await trio.lowlevel.checkpoint()
+            nursery.cancel_scope.cancel()
+    assert ready.is_set() == (when != "starting")
+    assert gc.get_freeze_count() == 0
+
+
+async def test_serve_engine_whose_stage_fails_to_start_never_freezes_the_heap():
+    cfg = scripted_pipeline(
+        ["thinker"], name="scripted", stage_options={"thinker": {"fail_start": True}}
+    )
+    with trio.fail_after(30), pytest.RaisesGroup(StageStartError, flatten_subgroups=True):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(serve_engine, cfg, port=0))
     assert gc.get_freeze_count() == 0
 
 

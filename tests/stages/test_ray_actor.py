@@ -146,3 +146,31 @@ def test_the_actor_freezes_its_startup_heap_from_start_to_stop():
     assert asyncio.run(life()) is None
     # not before it started, through its serving, not after it stopped
     assert frozen[0] == 0 and frozen[1] > 0 and frozen[2] == 0
+
+
+def test_an_actor_whose_start_fails_never_freezes_the_heap():
+    import asyncio
+    import gc
+
+    import msgspec
+
+    from omni_trio.stages._ray_actor import ReplicaActor
+
+    stage = load_config(
+        {"stages": [{"id": "a", "final_output": True, "options": {"fail_start": True}}]}
+    ).stages[0]
+
+    async def life() -> tuple[BaseException | None, int, str | None]:
+        actor = ReplicaActor(msgspec.json.encode(stage), 0, 0, 5.0)
+        try:
+            await actor.start()
+        except Exception as exc:
+            failed: BaseException | None = exc
+        else:
+            failed = None
+        frozen = gc.get_freeze_count()
+        return failed, frozen, await actor.stop()
+
+    failed, frozen, _ = asyncio.run(life())
+    assert failed is not None and "fail_start" in str(failed)
+    assert frozen == 0 and gc.get_freeze_count() == 0
