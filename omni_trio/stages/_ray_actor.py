@@ -346,6 +346,12 @@ class ReplicaActor:
         finally:
             self._heap.close()
 
+    def close(self) -> None:
+        """End the trio thread that hosts the replica (its portal); it waits for what still
+        runs there, nothing once :meth:`stop` returned. Blocking. Ray ends an actor by
+        ending its process, so only a host outside Ray (a test) calls this."""
+        self._portal_cm.__exit__(None, None, None)
+
 
 async def _sync(fn: Callable[..., None], *args: Any) -> None:
     fn(*args)
