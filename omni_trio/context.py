@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ._values import direct_init
 from .errors import InvalidRequestError
 from .outputs import Payload, Prompt, SamplingParams
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["RequestContext", "check_request_options"]
 
 
+@direct_init  # one per request: see omni_trio._values
 @dataclass(frozen=True, slots=True, weakref_slot=True)
 class RequestContext:
     """One request's context, shared by all its stages. Immutable."""

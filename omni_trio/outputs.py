@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
+from ._values import direct_init
+
 __all__ = [
     "EngineStatistics",
     "Metrics",
@@ -43,6 +45,7 @@ Prompt: TypeAlias = str | Sequence[int] | Mapping[str, Payload]
 ReplicaState = Literal["starting", "ready", "draining", "dead", "restarting", "stopped"]
 
 
+@direct_init  # made per output or per stage run: see omni_trio._values
 @dataclass(frozen=True, slots=True)
 class StageInput:
     """One chunk of input to a stage for one request.
@@ -65,6 +68,7 @@ class StageInput:
         )
 
 
+@direct_init  # made per output or per stage run: see omni_trio._values
 @dataclass(frozen=True, slots=True)
 class StageOutput:
     """One streamed output of a stage backend for one request (a delta)."""
@@ -77,6 +81,7 @@ class StageOutput:
     metrics: Metrics | None = None
 
 
+@direct_init  # made per output or per stage run: see omni_trio._values
 @dataclass(frozen=True, slots=True)
 class OmniOutput:
     """One output delivered to a caller of ``Engine.generate``.
