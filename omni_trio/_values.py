@@ -21,15 +21,16 @@ T = TypeVar("T")
 
 
 class _Factory:
-    """A field's ``default_factory`` stands for its default in the signature."""
+    """The default, in the signature, of a field with a ``default_factory`` (as the
+    dataclass's own ``__init__`` shows it)."""
 
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
+    __slots__ = ()
 
     def __repr__(self) -> str:
-        return f"<factory of {self.name}>"
+        return "<factory>"
+
+
+_FACTORY = _Factory()
 
 
 def direct_init(cls: type[T]) -> type[T]:
@@ -42,7 +43,7 @@ def direct_init(cls: type[T]) -> type[T]:
         raise TypeError(f"direct_init needs a frozen dataclass with slots, not {cls!r}")
     if hasattr(cls, "__post_init__"):
         raise TypeError(f"direct_init does not call __post_init__ ({cls.__qualname__})")
-    namespace: dict[str, object] = {}
+    namespace: dict[str, object] = {"_FACTORY": _FACTORY}
     args: list[str] = []
     body: list[str] = []
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
@@ -57,9 +58,8 @@ def direct_init(cls: type[T]) -> type[T]:
             args.append(f"{name}=_default_{name}")
         elif f.default_factory is not dataclasses.MISSING:
             namespace[f"_factory_{name}"] = f.default_factory
-            namespace[f"_no_{name}"] = _Factory(name)
-            args.append(f"{name}=_no_{name}")
-            body.append(f"    if {name} is _no_{name}:\n        {name} = _factory_{name}()")
+            args.append(f"{name}=_FACTORY")
+            body.append(f"    if {name} is _FACTORY:\n        {name} = _factory_{name}()")
         else:
             args.append(name)
         body.append(f"    _set_{name}(self, {name})")
