@@ -15,7 +15,9 @@ DELTA outputs, until the backend resumes it (:meth:`StepOutputs.mark` again).
 :class:`StepOutputs` and :class:`LiveRequest` run on the worker's asyncio loop, in its thread.
 
 **Backend side.** On the orchestrator's trio loop the replica's demultiplexer hands each
-item of a batch to its request's :class:`RequestInbox`. While the request's task waits there
+item of a batch to its request's :class:`RequestInbox`, from the output bridge's wake-up
+callback (:meth:`~omni_trio.transport.bridge.BridgeReceiver.consume`: no task switch
+between the worker's wake-up and the inboxes). While the request's task waits there
 with nothing left to deliver, an output is handed straight on through the request's
 ``emit.nowait`` (:mod:`._emit`): into the consumer's window, without waking the request's
 task, so an output costs one task switch (the consumer's), not two. Everything else (an

@@ -214,17 +214,22 @@ class VllmBackend(StageBackend):
 
     async def _demultiplex(self) -> None:
         """Hand each item of the worker's per-step batches to its request (one wake-up per
-        engine step for all of them; most outputs go straight on, see :class:`RequestInbox`).
+        engine step for all of them, handled in the bridge's wake-up callback, not in this
+        task; most outputs go straight on, see :class:`RequestInbox`).
         When the worker's output side ends, every request still waiting is told so (its
         inbox closes without END), and so is every later one."""
         assert self._out_rx is not None
         inboxes = self._inboxes
+
+        def hand_on(batch: Batch) -> None:
+            for request_id, item in batch:
+                inbox = inboxes.get(request_id)
+                if inbox is not None:
+                    inbox.put(item)
+
         try:
-            async for batch in self._out_rx:
-                for request_id, item in batch:
-                    inbox = inboxes.get(request_id)
-                    if inbox is not None:
-                        inbox.put(item)
+            # handed on from the bridge's wake-up callback: no task switch per engine step
+            await self._out_rx.consume(hand_on)
         except anyio.BrokenResourceError:
             # the worker's thread ended without closing its end: the same as its end, every
             # waiting request fails below (ReplicaDeadError in _run), nothing is dropped

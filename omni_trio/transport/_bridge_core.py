@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Generic, Literal, Protocol, TypeVar
 
@@ -76,7 +77,7 @@ class Losable(Protocol):
 class Side:
     """Loop binding and wake-up state of one end (fields guarded by ``Core.lock``)."""
 
-    __slots__ = ("end_ref", "lot", "role", "state", "token", "waiting", "wake_pending")
+    __slots__ = ("end_ref", "lot", "on_wake", "role", "state", "token", "waiting", "wake_pending")
 
     def __init__(self, role: str) -> None:
         self.role = role
@@ -87,6 +88,9 @@ class Side:
         self.lot = trio.lowlevel.ParkingLot()  # only touched on the loop of ``token``
         self.waiting = 0
         self.wake_pending = False
+        # a receiver's consumer (BridgeReceiver.consume): a wake-up calls it instead of
+        # unparking the lot; only touched on the loop of ``token``
+        self.on_wake: Callable[[], None] | None = None
 
 
 class Core(Generic[T]):
@@ -135,7 +139,8 @@ class Core(Generic[T]):
         token = side.token
         if token is None:
             return
-        if current_token() is token:
+        if current_token() is token and side.on_wake is None:
+            # a consumer is not run inside the caller's call stack: it gets the callback
             self._run_wake(side)
             return
         try:
@@ -147,7 +152,11 @@ class Core(Generic[T]):
     def _run_wake(self, side: Side) -> None:
         with self.lock:
             side.wake_pending = False
-        side.lot.unpark_all()
+        on_wake = side.on_wake
+        if on_wake is not None:
+            on_wake()
+        else:
+            side.lot.unpark_all()
 
     def end(self, side: Side, how: State) -> None:
         """Close (or mark lost) one end and wake everyone waiting on either end."""

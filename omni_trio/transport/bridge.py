@@ -21,6 +21,10 @@ end. When a loop finishes while an end bound to it is still open (its owner neve
 it), the end counts as lost: a per-loop system task notices the loop ending and breaks the
 bridge, so the peer gets ``anyio.BrokenResourceError`` instead of waiting forever.
 
+A receiver that only hands items on (a demultiplexer) can :meth:`BridgeReceiver.consume`
+them: a synchronous handler is called for each item from the wake-up callback itself, so a
+wake-up costs no task switch; the task that called ``consume`` stays parked, as its owner.
+
 An end used from a thread that runs no trio loop (e.g. an asyncio program in a worker
 thread) stays unbound: only its non-blocking calls (``send_nowait``, ``receive_nowait``,
 ``close``) work there, and its owner must close it, since no loop watcher can.
@@ -29,11 +33,13 @@ thread) stays unbound: only its non-blocking calls (``send_nowait``, ``receive_n
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from types import TracebackType
 from typing import Generic, Self, TypeVar, final
 
 import anyio
 import anyio.abc
+import outcome
 import trio
 
 from ._bridge_core import CLOSED, LOST, OPEN, BridgeStatistics, Core, Side
@@ -186,6 +192,37 @@ class BridgeReceiver(_EndBase[T], anyio.abc.ObjectReceiveStream[T]):
             if took:
                 return took[0]
 
+    async def consume(self, handler: Callable[[T], object]) -> None:
+        """Hand every item to ``handler(item)``, in order, on this loop, until the sender
+        closes (then return). Always checkpoints.
+
+        Items already buffered are handed over first, in this task. Then it waits, and the
+        items that arrive are handed over by the wake-up itself: the callback the sender
+        schedules on this loop calls ``handler`` for each one there, with no task switch
+        between the sender's wake-up and ``handler`` (a consumer that only hands items on,
+        such as a demultiplexer, saves one scheduler trip per wake-up over a ``receive()``
+        loop). So ``handler`` must be synchronous, quick and must not wait; it runs outside
+        this task's call stack and context.
+
+        Cancelled while it waits, it returns no item to the bridge: every item taken was
+        handed to ``handler``, the others stay buffered. Raises what ``handler`` raised (the
+        items after that one stay buffered), ``anyio.BusyResourceError`` if another
+        ``consume()`` is running on this end, and what :meth:`receive` raises except
+        ``EndOfStream``.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        side = self._side
+        if side.on_wake is not None:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            raise anyio.BusyResourceError("consuming from this bridge")
+        consumer = _Consumer(self._take, self._core, side, handler)
+        done = consumer.drain()
+        if done is None:
+            done = await consumer.wait()
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        done.unwrap()
+
     def _take(self, *, park: bool) -> tuple[T] | tuple[()]:
         # ``(item,)``, or ``()`` when there is none: no sentinel, and ``None`` stays an item
         core, side = self._core, self._side
@@ -222,6 +259,114 @@ class BridgeReceiver(_EndBase[T], anyio.abc.ObjectReceiveStream[T]):
         """Close this end (see :meth:`close`), then checkpoint; closed even if cancelled."""
         self.close()
         await trio.lowlevel.checkpoint()
+
+
+class _Consumer(Generic[T]):
+    """One :meth:`BridgeReceiver.consume` call: hands the buffered items to its handler, in
+    its task at first, then from the receiver side's wake-up callback (``Side.on_wake``) on
+    the same loop, until the stream ends, the handler raises or the task is cancelled.
+
+    ``Side.waiting`` counts it as one waiter exactly while it holds a unit there: taken by
+    ``_take(park=True)`` when it found the buffer empty, given back when a wake-up comes or
+    the wait is aborted. A cancellation that reaches the waiting task while the handler is
+    running (the handler cancelled it) cannot abort the wait there: the drain finishes, then
+    wakes the task, which meets the cancellation at its next checkpoint.
+    """
+
+    __slots__ = (
+        "_core",
+        "_handler",
+        "_holds",
+        "_interrupted",
+        "_running",
+        "_side",
+        "_take",
+        "_task",
+    )
+
+    def __init__(
+        self,
+        take: Callable[..., tuple[T] | tuple[()]],
+        core: Core[T],
+        side: Side,
+        handler: Callable[[T], object],
+    ) -> None:
+        self._take = take
+        self._core = core
+        self._side = side
+        self._handler = handler
+        self._task: trio.lowlevel.Task | None = None
+        self._holds = False  # holds a unit of side.waiting
+        self._running = False  # the handler is running (the wait cannot be aborted now)
+        self._interrupted = False  # a cancellation came while the handler ran
+
+    def drain(self) -> outcome.Outcome[None] | None:
+        """Hand every buffered item on; ``None`` once the buffer is empty and open (a unit
+        of ``waiting`` now held), else how the consumer ends. Synchronous."""
+        take, handler = self._take, self._handler
+        try:
+            while not self._interrupted:
+                took = take(park=True)
+                if not took:
+                    self._holds = True
+                    return None
+                self._running = True
+                try:
+                    handler(took[0])
+                finally:
+                    self._running = False
+        except anyio.EndOfStream:
+            return outcome.Value(None)
+        except BaseException as exc:  # the handler's own, or the bridge's: the task raises it
+            return outcome.Error(exc)
+        return None
+
+    async def wait(self) -> outcome.Outcome[None]:
+        """Wait, handing items on from the wake-up callback, until the consumer ends; raises
+        ``trio.Cancelled`` if cancelled. Always checkpoints (it parks)."""
+        self._task = trio.lowlevel.current_task()
+        side = self._side
+        try:
+            while True:
+                side.on_wake = self._woken
+                done: outcome.Outcome[None] | None = await trio.lowlevel.wait_task_rescheduled(
+                    self._abort
+                )
+                if done is not None:
+                    return done
+                # woken after a cancellation that came while the handler ran: meet it
+                self._interrupted = False
+                await trio.lowlevel.checkpoint()
+                done = self.drain()
+                if done is not None:
+                    return done
+        finally:
+            side.on_wake = None
+            self._release()
+
+    def _woken(self) -> None:
+        # a wake-up on this loop (the sender sent, or an end closed): the unit it answers
+        # is given back, the buffer drained; the task wakes only when the consumer ends
+        self._release()
+        done = self.drain()
+        if done is not None or self._interrupted:
+            self._side.on_wake = None
+            assert self._task is not None
+            trio.lowlevel.reschedule(self._task, outcome.Value(done))
+
+    def _release(self) -> None:
+        if self._holds:
+            self._holds = False
+            with self._core.lock:
+                self._side.waiting -= 1
+
+    def _abort(self, _: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+        if self._running:
+            self._interrupted = True
+            return trio.lowlevel.Abort.FAILED
+        self._side.on_wake = None
+        self._release()
+        return trio.lowlevel.Abort.SUCCEEDED
 
 
 # written as a class, like trio.open_memory_channel, so that ``open_bridge[int](8)`` types the

@@ -1,0 +1,246 @@
+"""``BridgeReceiver.consume``: items handed to a synchronous handler, in order, from the
+wake-up callback itself (no task switch per wake-up); how it ends (the sender closes, the
+handler raises, the receiver closes, the sender's loop is lost); cancellation, also one that
+the handler itself causes; one consumer at a time; its checkpoints.
+
+Cross-thread tests use real threads and the real clock under ``trio.fail_after`` (see
+test_bridge.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+import trio
+import trio.testing
+
+from omni_trio.transport import BridgeReceiver, BridgeSender, open_bridge
+
+from .test_bridge import GUARD_S, assert_drained, in_thread
+
+
+class _Steps(trio.abc.Instrument):
+    """Counts the scheduler steps of the tasks named ``name``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name == self.name:
+            self.steps += 1
+
+
+async def test_thread_to_loop_in_order_until_the_sender_closes() -> None:
+    tx: BridgeSender[int]
+    rx: BridgeReceiver[int]
+    tx, rx = open_bridge(16, name="consume")
+    got: list[int] = []
+    here = threading.get_ident()
+    threads: set[int] = set()
+
+    def handler(item: int) -> None:
+        threads.add(threading.get_ident())
+        got.append(item)
+
+    async def produce() -> None:
+        async with tx:
+            for i in range(10_000):
+                await tx.send(i)
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(in_thread, produce)
+            await rx.consume(handler)
+    assert got == list(range(10_000))
+    assert threads == {here}
+    stats = rx.statistics()
+    assert_drained(stats, 10_000)
+    assert stats.sender_closed and not stats.receiver_closed
+
+
+async def test_items_are_handed_on_without_waking_the_consuming_task() -> None:
+    # the sender waits for each item to be handled before it sends the next one, so every
+    # item needs its own wake-up; a receive() loop would step its task once per item
+    tx, rx = open_bridge(4, name="no-switch")
+    handled = threading.Semaphore(0)
+    got: list[int] = []
+
+    def handler(item: int) -> None:
+        got.append(item)
+        handled.release()
+
+    def produce() -> None:
+        with tx:
+            for i in range(50):
+                tx.send_nowait(i)
+                assert handled.acquire(timeout=GUARD_S)
+
+    steps = _Steps("consumer")
+    trio.lowlevel.add_instrument(steps)
+    try:
+        with trio.fail_after(GUARD_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(rx.consume, handler, name="consumer")
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.to_thread.run_sync(produce)
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    assert got == list(range(50))
+    # its first step (it parks) and its last (the sender closed): none per item
+    assert steps.steps == 2
+
+
+async def test_buffered_items_first_then_returns_at_the_end_with_checkpoints() -> None:
+    tx, rx = open_bridge(4)
+    for i in range(3):
+        tx.send_nowait(i)
+    tx.close()
+    got: list[int] = []
+    with trio.testing.assert_checkpoints():
+        await rx.consume(got.append)
+    assert got == [0, 1, 2]
+    assert_drained(rx.statistics(), 3)
+
+
+async def test_the_handlers_error_is_raised_and_later_items_stay_buffered() -> None:
+    tx, rx = open_bridge(8)
+    failure = ValueError("item 1 is bad")
+
+    def handler(item: int) -> None:
+        if item == 1:
+            raise failure
+
+    # buffered before consume() started: handed on in its own task
+    for i in range(3):
+        tx.send_nowait(i)
+    with trio.testing.assert_checkpoints(), pytest.raises(ValueError) as caught:
+        await rx.consume(handler)
+    assert caught.value is failure
+    assert rx.receive_nowait() == 2
+
+    # arriving while it waits: handed on from the wake-up callback, raised in its task
+    async with trio.open_nursery() as nursery:
+        errors: list[BaseException] = []
+
+        async def consume() -> None:
+            try:
+                await rx.consume(handler)
+            except ValueError as exc:
+                errors.append(exc)
+
+        nursery.start_soon(consume)
+        await trio.testing.wait_all_tasks_blocked()
+        for i in range(3):
+            tx.send_nowait(i)
+    assert errors == [failure]
+    assert rx.receive_nowait() == 2
+    assert rx.statistics().tasks_waiting_receive == 0
+
+
+async def test_items_sent_on_the_same_loop_are_not_handled_in_the_senders_call() -> None:
+    tx, rx = open_bridge(8)
+    got: list[int] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(rx.consume, got.append)
+        await trio.testing.wait_all_tasks_blocked()
+        tx.send_nowait(1)
+        tx.send_nowait(2)
+        assert got == []  # not inside send_nowait: from the callback, once this task yields
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == [1, 2]
+        tx.close()
+    assert_drained(rx.statistics(), 2)
+
+
+async def test_cancelled_while_waiting_takes_nothing_and_leaves_no_trace() -> None:
+    tx, rx = open_bridge(4)
+    got: list[int] = []
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rx.consume, got.append)
+            await trio.testing.wait_all_tasks_blocked()
+            assert rx.statistics().tasks_waiting_receive == 1
+            scope.cancel()
+    assert rx.statistics().tasks_waiting_receive == 0
+    tx.send_nowait(7)  # no consumer is woken: the item waits in the bridge
+    await trio.testing.wait_all_tasks_blocked()
+    assert got == []
+    # a cancellation that is already there: nothing is taken
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await rx.consume(got.append)
+    assert got == [] and rx.statistics().items_in_flight == 1
+    # a later consumer gets it
+    tx.close()
+    await rx.consume(got.append)
+    assert got == [7]
+
+
+async def test_a_handler_that_cancels_its_consumer_stops_it_after_that_item() -> None:
+    tx, rx = open_bridge(8)
+    got: list[int] = []
+    with trio.CancelScope() as scope:
+
+        def handler(item: int) -> None:
+            got.append(item)
+            if item == 1:
+                scope.cancel()  # reaches the waiting consumer while its handler runs
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rx.consume, handler)
+            await trio.testing.wait_all_tasks_blocked()
+            for i in range(4):
+                tx.send_nowait(i)
+    assert scope.cancelled_caught
+    assert got == [0, 1]
+    stats = rx.statistics()
+    assert stats.items_in_flight == 2 and stats.tasks_waiting_receive == 0
+    assert [rx.receive_nowait(), rx.receive_nowait()] == [2, 3]
+
+
+async def test_one_consumer_at_a_time() -> None:
+    tx, rx = open_bridge(4)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(rx.consume, print)
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.testing.assert_checkpoints(), pytest.raises(anyio.BusyResourceError):
+            await rx.consume(print)
+        tx.close()
+    # the first one ended: consuming again is fine (and ends at once)
+    await rx.consume(print)
+
+
+async def test_receiver_closed_while_waiting_raises_closed() -> None:
+    tx, rx = open_bridge(4)
+    async with trio.open_nursery() as nursery:
+        errors: list[BaseException] = []
+
+        async def consume() -> None:
+            try:
+                await rx.consume(print)
+            except anyio.ClosedResourceError as exc:
+                errors.append(exc)
+
+        nursery.start_soon(consume)
+        await trio.testing.wait_all_tasks_blocked()
+        rx.close()
+    assert len(errors) == 1
+    assert rx.statistics().tasks_waiting_receive == 0
+
+
+async def test_a_sender_whose_loop_ends_unclosed_breaks_the_consumer() -> None:
+    tx, rx = open_bridge(4)
+    got: list[int] = []
+
+    async def produce_and_vanish() -> None:
+        await tx.send(1)  # binds tx to this thread's loop, which then ends without closing it
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(in_thread, produce_and_vanish)
+            with pytest.raises(anyio.BrokenResourceError):
+                await rx.consume(got.append)
+    assert got == [1]  # what was sent before is handed on first
