@@ -244,3 +244,48 @@ async def test_a_sender_whose_loop_ends_unclosed_breaks_the_consumer() -> None:
             with pytest.raises(anyio.BrokenResourceError):
                 await rx.consume(got.append)
     assert got == [1]  # what was sent before is handed on first
+
+
+async def test_consumers_cancelled_over_and_over_lose_and_repeat_no_item() -> None:
+    # a thread sends without pause while consumers here are cancelled after a random number of
+    # items (in the callback or in the task, with a wake-up in flight or not) and replaced: every
+    # item is handed on exactly once, in order, and no waiter is left counted
+    import random
+
+    tx, rx = open_bridge(8, name="churn")
+    total = 20_000
+    got: list[int] = []
+    rng = random.Random(7)
+
+    def produce() -> None:
+        with tx:
+            for i in range(total):
+                while True:
+                    try:
+                        tx.send_nowait(i)
+                        break
+                    except anyio.WouldBlock:
+                        threading.Event().wait(0.0001)
+
+    consumers = 0
+    with trio.fail_after(GUARD_S * 3):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, produce)
+            while True:
+                consumers += 1
+                quota = len(got) + rng.randrange(1, 300)
+                with trio.CancelScope() as scope:
+
+                    def handler(
+                        item: int, scope: trio.CancelScope = scope, quota: int = quota
+                    ) -> None:
+                        got.append(item)
+                        if len(got) >= quota:
+                            scope.cancel()
+
+                    await rx.consume(handler)
+                    break  # the sender closed
+                assert rx.statistics().tasks_waiting_receive == 0
+    assert got == list(range(total))
+    assert consumers > 50
+    assert_drained(rx.statistics(), total)
