@@ -156,6 +156,9 @@ class BridgeReceiver(_EndBase[T], anyio.abc.ObjectReceiveStream[T]):
     def __init__(self, core: Core[T]) -> None:
         self._core = core
         self._side = core.rx
+        # a consume() call is running (its whole call, not only while it waits: a consumer on
+        # its way out after a cancellation has given up its wake-up callback but not ended)
+        self._consuming = False
 
     def receive_nowait(self) -> T:
         """Take the next item if one is buffered. Does not checkpoint.
@@ -163,8 +166,12 @@ class BridgeReceiver(_EndBase[T], anyio.abc.ObjectReceiveStream[T]):
         Raises ``anyio.WouldBlock`` when none is, ``anyio.EndOfStream`` once the sender has
         closed and every item was read, ``anyio.BrokenResourceError`` once the sender's loop
         ended without closing it and every item was read, ``anyio.ClosedResourceError`` if
-        this end was closed, ``RuntimeError`` if this end is bound to another trio loop.
+        this end was closed, ``RuntimeError`` if this end is bound to another trio loop,
+        ``anyio.BusyResourceError`` while a :meth:`consume` runs on this end (its handler
+        takes every item).
         """
+        if self._consuming:
+            raise anyio.BusyResourceError("receiving from this bridge (a consume() runs)")
         took = self._take(park=False)
         if not took:
             raise anyio.WouldBlock
@@ -177,6 +184,9 @@ class BridgeReceiver(_EndBase[T], anyio.abc.ObjectReceiveStream[T]):
         raises, except ``WouldBlock``.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
+        if self._consuming:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            raise anyio.BusyResourceError("receiving from this bridge (a consume() runs)")
         took = self._take(park=True)
         if took:
             await trio.lowlevel.cancel_shielded_checkpoint()
@@ -207,20 +217,24 @@ class BridgeReceiver(_EndBase[T], anyio.abc.ObjectReceiveStream[T]):
         Cancelled while it waits, it returns no item to the bridge: every item taken was
         handed to ``handler``, the others stay buffered. Raises what ``handler`` raised (the
         items after that one stay buffered), ``anyio.BusyResourceError`` if another
-        ``consume()`` is running on this end, and what :meth:`receive` raises except
+        ``consume()`` is running on this end (while one runs, :meth:`receive` and
+        :meth:`receive_nowait` raise it too), and what :meth:`receive` raises except
         ``EndOfStream``.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        side = self._side
-        if side.on_wake is not None:
+        if self._consuming:
             await trio.lowlevel.cancel_shielded_checkpoint()
             raise anyio.BusyResourceError("consuming from this bridge")
-        consumer = _Consumer(self._take, self._core, side, handler)
-        done = consumer.drain()
-        if done is None:
-            done = await consumer.wait()
-        else:
-            await trio.lowlevel.cancel_shielded_checkpoint()
+        self._consuming = True
+        try:
+            consumer = _Consumer(self._take, self._core, self._side, handler)
+            done = consumer.drain()
+            if done is None:
+                done = await consumer.wait()
+            else:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+        finally:
+            self._consuming = False
         done.unwrap()
 
     def _take(self, *, park: bool) -> tuple[T] | tuple[()]:

@@ -213,6 +213,74 @@ async def test_one_consumer_at_a_time() -> None:
     await rx.consume(print)
 
 
+async def test_no_receive_while_a_consumer_runs() -> None:
+    tx, rx = open_bridge(4)
+    got: list[int] = []
+    for item in (1, 2):
+        tx.send_nowait(item)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(rx.consume, got.append)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == [1, 2]
+        tx.send_nowait(3)  # its wake-up is pending: the consumer has not taken it yet
+        with pytest.raises(anyio.BusyResourceError):
+            rx.receive_nowait()
+        with trio.testing.assert_checkpoints(), pytest.raises(anyio.BusyResourceError):
+            await rx.receive()
+        tx.close()
+    assert got == [1, 2, 3]  # the consumer got every item, none was taken from it
+    with pytest.raises(anyio.EndOfStream):  # once it ended, receiving is fine again
+        rx.receive_nowait()
+
+
+async def test_a_consumer_on_its_way_out_still_refuses_a_second_one() -> None:
+    # the handler cancels its consumer: the consumer's task is woken to meet the cancellation
+    # and a second consume() runs in the same scheduler batch, before or after it (trio
+    # shuffles a batch: 20 rounds see both orders). It is refused either way, and the bridge
+    # is left with no consumer registered: a third one gets the rest.
+    for _ in range(20):
+        await refusal_round()
+
+
+async def refusal_round() -> None:
+    tx, rx = open_bridge(8)
+    got: list[int] = []
+    refused: list[BaseException] = []
+
+    async def second() -> None:
+        try:
+            await rx.consume(got.append)
+        except anyio.BusyResourceError as exc:
+            refused.append(exc)
+
+    with trio.fail_after(GUARD_S):  # an accepted second consumer would wait forever
+        async with trio.open_nursery() as nursery:
+            await consume_cancelled_by_its_handler(rx, tx, got, nursery, second)
+    assert len(refused) == 1 and got == [0, 1]
+    tx.close()
+    with trio.fail_after(GUARD_S):
+        await rx.consume(got.append)
+    assert got == [0, 1, 2, 3]
+    assert rx.statistics().tasks_waiting_receive == 0
+
+
+async def consume_cancelled_by_its_handler(rx, tx, got, nursery, then) -> None:
+    """A consumer whose handler, at item 1, cancels it and starts ``then`` in ``nursery``."""
+    with trio.CancelScope() as scope:
+
+        def handler(item: int) -> None:
+            got.append(item)
+            if item == 1:
+                scope.cancel()
+                nursery.start_soon(then)
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(rx.consume, handler)
+            await trio.testing.wait_all_tasks_blocked()
+            for i in range(4):
+                tx.send_nowait(i)
+
+
 async def test_receiver_closed_while_waiting_raises_closed() -> None:
     tx, rx = open_bridge(4)
     async with trio.open_nursery() as nursery:
