@@ -160,6 +160,9 @@ class BridgeReceiver(_EndBase[T], anyio.abc.ObjectReceiveStream[T]):
         # its way out after a cancellation has given up its wake-up callback but not ended)
         self._consuming = False
 
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}{' consuming' if self._consuming else ''}>"
+
     def receive_nowait(self) -> T:
         """Take the next item if one is buffered. Does not checkpoint.
 

@@ -221,7 +221,7 @@ async def test_no_receive_while_a_consumer_runs() -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(rx.consume, got.append)
         await trio.testing.wait_all_tasks_blocked()
-        assert got == [1, 2]
+        assert got == [1, 2] and repr(rx).endswith(" consuming>")
         tx.send_nowait(3)  # its wake-up is pending: the consumer has not taken it yet
         with pytest.raises(anyio.BusyResourceError):
             rx.receive_nowait()
@@ -229,6 +229,7 @@ async def test_no_receive_while_a_consumer_runs() -> None:
             await rx.receive()
         tx.close()
     assert got == [1, 2, 3]  # the consumer got every item, none was taken from it
+    assert "consuming" not in repr(rx)
     with pytest.raises(anyio.EndOfStream):  # once it ended, receiving is fine again
         rx.receive_nowait()
 
