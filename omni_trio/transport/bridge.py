@@ -75,8 +75,12 @@ class _EndBase(Generic[T]):
     def close(self) -> None:
         raise NotImplementedError
 
+    def _own_state(self) -> str:
+        return ""  # what this end's own state adds to the repr
+
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self._core.name!r} {self._core.describe(self._side)}>"
+        state = self._core.describe(self._side) + self._own_state()
+        return f"<{type(self).__name__} {self._core.name!r} {state}>"
 
 
 class BridgeSender(_EndBase[T], anyio.abc.ObjectSendStream[T]):
@@ -160,8 +164,8 @@ class BridgeReceiver(_EndBase[T], anyio.abc.ObjectReceiveStream[T]):
         # its way out after a cancellation has given up its wake-up callback but not ended)
         self._consuming = False
 
-    def __repr__(self) -> str:
-        return f"{super().__repr__()[:-1]}{' consuming' if self._consuming else ''}>"
+    def _own_state(self) -> str:
+        return " consuming" if self._consuming else ""
 
     def receive_nowait(self) -> T:
         """Take the next item if one is buffered. Does not checkpoint.
