@@ -10,6 +10,7 @@ test_bridge.py).
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import anyio
 import pytest
@@ -232,6 +233,25 @@ async def test_no_receive_while_a_consumer_runs() -> None:
     assert "consuming" not in repr(rx)
     with pytest.raises(anyio.EndOfStream):  # once it ended, receiving is fine again
         rx.receive_nowait()
+
+
+async def test_refusals_while_consuming_meet_a_cancellation_first() -> None:
+    # the entry checkpoint of receive() and consume() comes before the refusal: a caller
+    # already cancelled gets Cancelled (not BusyResourceError), and nothing is taken
+    tx, rx = open_bridge(4)
+    got: list[int] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(rx.consume, got.append)
+        await trio.testing.wait_all_tasks_blocked()  # it waits: nothing was sent yet
+        tx.send_nowait(1)  # for the consumer: the calls below must not take it
+        for call in (rx.receive, partial(rx.consume, print)):
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await call()
+            assert scope.cancelled_caught
+        tx.close()
+    assert got == [1]
+    assert rx.statistics().tasks_waiting_receive == 0
 
 
 async def test_a_consumer_on_its_way_out_still_refuses_a_second_one() -> None:
