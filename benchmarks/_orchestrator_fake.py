@@ -6,6 +6,13 @@ active request, a request waits for a free slot. ``FakeEngineBackend`` is omni-t
 stage whose replica drives one); ``run_fake_floor`` chains the same engines by hand. The
 engine runs on the same trio loop as the orchestrator, so the wall-time ratio is what the
 orchestrator's CPU per step costs the engines (``fake_engine_cells``).
+
+Every microsecond the loop works after an engine's ``trio.sleep(step_s)`` call lengthens that
+step by as much, even when the work is far shorter than the step: the loop computes its
+timeout once the work is done and the kernel's timeout is in whole milliseconds, rounded up
+(measured here: a 2 ms sleep with 0 / 100 / 500 us of other work after it takes 2.14 / 2.31
+/ 2.74 ms). So the wall ratio follows the loop's CPU per engine step, which each cell reports
+beside it (``cpu_us_per_step``).
 """
 
 from __future__ import annotations
@@ -102,6 +109,9 @@ class FakeEngine:
     """``slots`` requests run at once; one step of ``step_s`` emits one token to each active
     request; a request waits for a free slot; ``tokens`` tokens per request."""
 
+    #: steps taken by every FakeEngine of the process (omni-trio's are inside its backends)
+    all_steps = 0
+
     def __init__(self, slots: int = 8, step_s: float = 0.002, tokens: int = 16) -> None:
         self.slots = slots
         self.step_s = step_s
@@ -131,6 +141,7 @@ class FakeEngine:
                 continue
             await trio.sleep(self.step_s)
             self.steps += 1
+            FakeEngine.all_steps += 1
             for seq in self._active:
                 if not seq.cancelled:
                     seq.step()
@@ -244,12 +255,24 @@ async def run_fake_floor(n_stages: int, n_requests: int, shape: dict[str, Any]) 
     return wall
 
 
+async def _cpu_per_step(run: Awaitable[float]) -> tuple[float, float]:
+    """Run one pass -> (its wall seconds, the trio thread's CPU microseconds per engine step
+    it took)."""
+    c0, s0 = time.thread_time(), FakeEngine.all_steps
+    wall = await run
+    return wall, (time.thread_time() - c0) * 1e6 / max(1, FakeEngine.all_steps - s0)
+
+
 async def fake_engine_cells(n_requests: int, passes: int, shape: dict[str, Any]) -> list[Any]:
+    """Per stage count (1, 2, 3): interleaved passes of omni-trio and the floor; the median
+    wall ratio, each side's median wall, the loop's CPU per engine step of each side (what
+    the ratio follows, see the module docstring) and the hop latency."""
     cells = []
     for n_stages in (1, 2, 3):
         FINISHED_AT.clear()
         INPUT_AT.clear()
-        ratios, omni_walls, floor_walls = [], [], []
+        walls: dict[str, list[float]] = {"omni": [], "floor": []}
+        cpu: dict[str, list[float]] = {"omni": [], "floor": []}
         async with omni_trio.open_engine(fake_pipeline(n_stages, shape)) as engine:
             await run_fake_omni(engine, n_requests, "warm", shape["tokens"])
             await run_fake_floor(n_stages, n_requests, shape)
@@ -257,23 +280,25 @@ async def fake_engine_cells(n_requests: int, passes: int, shape: dict[str, Any])
             INPUT_AT.clear()
             for p in range(passes):
                 # interleaved, alternating which side goes first
-                if p % 2:
-                    omni = await run_fake_omni(engine, n_requests, f"p{p}", shape["tokens"])
-                    floor = await run_fake_floor(n_stages, n_requests, shape)
-                else:
-                    floor = await run_fake_floor(n_stages, n_requests, shape)
-                    omni = await run_fake_omni(engine, n_requests, f"p{p}", shape["tokens"])
-                ratios.append(omni / floor)
-                omni_walls.append(omni)
-                floor_walls.append(floor)
+                for side in ("omni", "floor") if p % 2 else ("floor", "omni"):
+                    run = (
+                        run_fake_omni(engine, n_requests, f"p{p}", shape["tokens"])
+                        if side == "omni"
+                        else run_fake_floor(n_stages, n_requests, shape)
+                    )
+                    wall, us = await _cpu_per_step(run)
+                    walls[side].append(wall)
+                    cpu[side].append(us)
+        ratios = [o / f for o, f in zip(walls["omni"], walls["floor"], strict=True)]
         cells.append(
             {
                 "stages": n_stages,
                 "requests": n_requests,
-                "omni_wall_s_median": round(statistics.median(omni_walls), 4),
-                "floor_wall_s_median": round(statistics.median(floor_walls), 4),
+                "omni_wall_s_median": round(statistics.median(walls["omni"]), 4),
+                "floor_wall_s_median": round(statistics.median(walls["floor"]), 4),
                 "wall_ratio_median": round(statistics.median(ratios), 3),
                 "wall_ratio_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
+                "cpu_us_per_step": {k: round(statistics.median(v), 1) for k, v in cpu.items()},
                 "hop": {k: round(v, 4) for k, v in hop_stats(n_stages).items()},
             }
         )

@@ -7,7 +7,10 @@
    hand in plain trio (each request's task feeds stage k's output to stage k+1). Interleaved
    passes, median ratio. The engine runs on the same trio loop, so every millisecond of CPU
    the orchestrator spends between two steps delays the next step: the ratio is what the
-   orchestrator's CPU per step costs the engines. Also the per-hop latency under that load.
+   orchestrator's CPU per step costs the engines; beside it each side's trio-thread CPU per
+   engine step (``cpu_us_per_step``), which the ratio follows (the loop's timeouts are
+   whole milliseconds: see ``_orchestrator_fake.py``). Also the per-hop latency under that
+   load.
    And (``fake_cpu``) the same engines with steps that take no time: the trio thread's CPU
    per request of each side, split into a request's fixed cost and each further output's.
 2. Scripted zero-latency stages (``throughput``): 1 and 3 stages x 1 / 100 / 1000 concurrent

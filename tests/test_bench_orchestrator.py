@@ -78,3 +78,24 @@ async def test_fake_cpu_cells_measure_both_sides_at_each_size(autojump_clock):
             # the split is made of the two sizes' own figures
             assert abs(figures["fixed_us_per_request"] - few) < 0.06
             assert abs(figures["us_per_output"] - (many - few) / 15) < 0.02  # from rounded figures
+
+
+async def test_every_fake_engine_step_is_counted_once(autojump_clock):
+    # 3 requests fill the 3 slots: one wave of 6 steps per stage, on either side
+    async with omni_trio.open_engine(fake.fake_pipeline(2, SHAPE)) as engine:
+        before = fake.FakeEngine.all_steps
+        await fake.run_fake_omni(engine, 3, "steps", SHAPE["tokens"])
+        assert fake.FakeEngine.all_steps - before == 2 * SHAPE["tokens"]
+    before = fake.FakeEngine.all_steps
+    await fake.run_fake_floor(2, 3, SHAPE)
+    assert fake.FakeEngine.all_steps - before == 2 * SHAPE["tokens"]
+
+
+async def test_fake_engine_cells_report_the_loop_cpu_per_step_of_both_sides(autojump_clock):
+    cells = await fake.fake_engine_cells(3, passes=2, shape=SHAPE)
+    assert [c["stages"] for c in cells] == [1, 2, 3]
+    for cell in cells:
+        assert set(cell["cpu_us_per_step"]) == {"omni", "floor"}
+        assert all(us > 0 for us in cell["cpu_us_per_step"].values())
+        low, high = cell["wall_ratio_min_max"]
+        assert low <= cell["wall_ratio_median"] <= high
