@@ -12,7 +12,9 @@ step by as much, even when the work is far shorter than the step: the loop compu
 timeout once the work is done and the kernel's timeout is in whole milliseconds, rounded up
 (measured here: a 2 ms sleep with 0 / 100 / 500 us of other work after it takes 2.14 / 2.31
 / 2.74 ms). So the wall ratio follows the loop's CPU per engine step, which each cell reports
-beside it (``cpu_us_per_step``).
+beside it (``cpu_us_per_step``). Under :class:`ExactStepClock` a step takes its ``step_s``
+whatever the loop does meanwhile, as a model's step on its own device would: the same cells
+then say what the orchestrator costs engines whose steps the loop's timer does not stretch.
 """
 
 from __future__ import annotations
@@ -35,6 +37,28 @@ from omni_trio.outputs import StageOutput
 from omni_trio.stages import StageBackend
 from omni_trio.stages._abc import Emit, InputStream
 from omni_trio.stages._emit import EmitNowait, nowait_of
+
+
+class ExactStepClock(trio.abc.Clock):
+    """trio's default clock (``time.perf_counter``), except that the loop's timeout stops
+    1 ms short of the next deadline and the loop then polls until it is due: a sleeping task
+    wakes at its deadline, not on the next whole millisecond after the loop's work (the
+    kernel's timeout). Costs up to 1 ms of polling per wake-up, so only wall time means
+    anything under it, not CPU time. ``now`` is the time source (for tests)."""
+
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        self._now = now
+
+    def start_clock(self) -> None:
+        pass
+
+    def current_time(self) -> float:
+        return self._now()
+
+    def deadline_to_sleep_time(self, deadline: float) -> float:
+        """Seconds the loop may block for ``deadline``: all but the last millisecond, then
+        none. Pure (but for the time source)."""
+        return max(0.0, deadline - self._now() - 0.001)
 
 
 class _Sequence:
@@ -263,10 +287,13 @@ async def _cpu_per_step(run: Awaitable[float]) -> tuple[float, float]:
     return wall, (time.thread_time() - c0) * 1e6 / max(1, FakeEngine.all_steps - s0)
 
 
-async def fake_engine_cells(n_requests: int, passes: int, shape: dict[str, Any]) -> list[Any]:
+async def fake_engine_cells(
+    n_requests: int, passes: int, shape: dict[str, Any], cpu_figures: bool = True
+) -> list[Any]:
     """Per stage count (1, 2, 3): interleaved passes of omni-trio and the floor; the median
     wall ratio, each side's median wall, the loop's CPU per engine step of each side (what
-    the ratio follows, see the module docstring) and the hop latency."""
+    the ratio follows, see the module docstring; left out with ``cpu_figures=False``, for a
+    clock that polls) and the hop latency."""
     cells = []
     for n_stages in (1, 2, 3):
         FINISHED_AT.clear()
@@ -290,18 +317,18 @@ async def fake_engine_cells(n_requests: int, passes: int, shape: dict[str, Any])
                     walls[side].append(wall)
                     cpu[side].append(us)
         ratios = [o / f for o, f in zip(walls["omni"], walls["floor"], strict=True)]
-        cells.append(
-            {
-                "stages": n_stages,
-                "requests": n_requests,
-                "omni_wall_s_median": round(statistics.median(walls["omni"]), 4),
-                "floor_wall_s_median": round(statistics.median(walls["floor"]), 4),
-                "wall_ratio_median": round(statistics.median(ratios), 3),
-                "wall_ratio_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
-                "cpu_us_per_step": {k: round(statistics.median(v), 1) for k, v in cpu.items()},
-                "hop": {k: round(v, 4) for k, v in hop_stats(n_stages).items()},
-            }
-        )
+        cell: dict[str, Any] = {
+            "stages": n_stages,
+            "requests": n_requests,
+            "omni_wall_s_median": round(statistics.median(walls["omni"]), 4),
+            "floor_wall_s_median": round(statistics.median(walls["floor"]), 4),
+            "wall_ratio_median": round(statistics.median(ratios), 3),
+            "wall_ratio_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
+        }
+        if cpu_figures:
+            cell["cpu_us_per_step"] = {k: round(statistics.median(v), 1) for k, v in cpu.items()}
+        cell["hop"] = {k: round(v, 4) for k, v in hop_stats(n_stages).items()}
+        cells.append(cell)
     return cells
 
 

@@ -10,7 +10,9 @@
    orchestrator's CPU per step costs the engines; beside it each side's trio-thread CPU per
    engine step (``cpu_us_per_step``), which the ratio follows (the loop's timeouts are
    whole milliseconds: see ``_orchestrator_fake.py``). Also the per-hop latency under that
-   load.
+   load. The same cells again under ``ExactStepClock`` (``fake_engine_exact_steps``): a
+   step takes its 2 ms whatever the loop does meanwhile, so the ratio is what the
+   orchestrator costs engines whose steps the loop's timer does not stretch (wall time only).
    And (``fake_cpu``) the same engines with steps that take no time: the trio thread's CPU
    per request of each side, split into a request's fixed cost and each further output's.
 2. Scripted zero-latency stages (``throughput``): 1 and 3 stages x 1 / 100 / 1000 concurrent
@@ -54,7 +56,7 @@ import psutil
 import trio
 
 # benchmarks/ is on sys.path (this file runs as a script)
-from _orchestrator_fake import fake_cpu_cells, fake_engine_cells
+from _orchestrator_fake import ExactStepClock, fake_cpu_cells, fake_engine_cells
 from _orchestrator_scripted import PROMPT, hop_latency, pipeline, throughput_cells
 
 import omni_trio
@@ -133,8 +135,8 @@ async def idle_cpu(seconds: float) -> dict[str, float]:
 
 def targets(results: dict[str, Any]) -> dict[str, Any]:
     """Issue 9's model-free targets, each with the figure it is judged on."""
-    fake = results["fake_engine"]
-    worst_wall = max(c["wall_ratio_median"] for c in fake)
+    worst_wall = max(c["wall_ratio_median"] for c in results["fake_engine"])
+    worst_exact = max(c["wall_ratio_median"] for c in results["fake_engine_exact_steps"])
     hop = results["hop_latency"]
     worst_tp = min(c["ratio_cpu"] for c in results["throughput"])
     worst_vs_consumer = min(c["ratio_cpu_vs_consumer_floor"] for c in results["throughput"])
@@ -145,6 +147,8 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
     kib_last = results["memory_3_stages_in_last"]["python_heap_per_request_kib"]
     return {
         "fake_wall_ratio_le_1.05": [worst_wall, worst_wall <= 1.05],
+        # not the target's figure: the same with steps the loop's timer does not stretch
+        "fake_wall_ratio_exact_steps": [worst_exact, None],
         "hop_p50_lt_0.05_ms": [hop["p50_ms"], hop["p50_ms"] < 0.05],
         "hop_p99_lt_0.5_ms": [hop["p99_ms"], hop["p99_ms"] < 0.5],
         "scripted_ratio_ge_0.5": [worst_tp, worst_tp >= 0.5],
@@ -201,7 +205,6 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             k: round(v, 3) for k, v in (await rss_per_request(n_mem, n_stages, hang_stage)).items()
         }
     results["idle"] = {k: round(v, 4) for k, v in (await idle_cpu(args.idle_seconds)).items()}
-    results["targets"] = targets(results)
     if args.replicas:
         import bench_replicas  # benchmarks/ is on sys.path: this file runs as a script
 
@@ -220,4 +223,16 @@ if __name__ == "__main__":
     parser.add_argument(
         "--replicas", action="store_true", help="also the replica pool cells (bench_replicas.py)"
     )
-    print(json.dumps(trio.run(main, parser.parse_args()), indent=2))
+    args = parser.parse_args()
+    results = trio.run(main, args)
+    # a second run of trio: the clock is the run's
+    results["fake_engine_exact_steps"] = trio.run(
+        fake_engine_cells,
+        16 if args.quick else args.fake_requests,
+        args.passes,
+        results["fake_engine_shape"],
+        False,  # its CPU figures would count the clock's polling
+        clock=ExactStepClock(),
+    )
+    results["targets"] = targets(results)
+    print(json.dumps(results, indent=2))

@@ -99,3 +99,17 @@ async def test_fake_engine_cells_report_the_loop_cpu_per_step_of_both_sides(auto
         assert all(us > 0 for us in cell["cpu_us_per_step"].values())
         low, high = cell["wall_ratio_min_max"]
         assert low <= cell["wall_ratio_median"] <= high
+
+
+def test_the_exact_step_clock_blocks_until_a_millisecond_before_the_deadline_then_polls():
+    clock = fake.ExactStepClock(now=lambda: 10.0)
+    assert clock.current_time() == 10.0
+    assert abs(clock.deadline_to_sleep_time(10.005) - 0.004) < 1e-9
+    assert clock.deadline_to_sleep_time(10.0005) == 0.0  # the last millisecond: poll
+    assert clock.deadline_to_sleep_time(9.0) == 0.0  # due already
+    assert clock.deadline_to_sleep_time(float("inf")) == float("inf")  # nothing to wait for
+
+
+async def test_fake_engine_cells_leave_the_cpu_figures_out_when_asked(autojump_clock):
+    cells = await fake.fake_engine_cells(3, passes=1, shape=SHAPE, cpu_figures=False)
+    assert all("cpu_us_per_step" not in c and c["wall_ratio_median"] > 0 for c in cells)
