@@ -60,7 +60,8 @@ class EngineSession:
         self._run_cm: AbstractAsyncContextManager[None] | None = None  # while open
         self._state = "new"  # new | starting | open | closing | closed
         self._stop_error_raised = False
-        # pending calls (collective_rpc): their scope (close cancels it) -> set when they end
+        # pending calls (collective_rpc, add_replica): their scope (close cancels it) -> set
+        # when they end
         self._calls: dict[trio.CancelScope, trio.Event] = {}
 
     @property

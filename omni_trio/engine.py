@@ -258,18 +258,32 @@ class Engine:
 
     async def add_replica(self, stage: str | int) -> int:
         """Start one more replica of ``stage`` (id or index); return its index once it is
-        ready. Always checkpoints; cancelled, the start is cancelled and the stage unchanged.
-        Raises :class:`StageStartError` if it fails to start (the stage unchanged),
-        :class:`InvalidRequestError` for an unknown stage, :class:`EngineClosedError`."""
+        ready. It is listed (``starting``) in :meth:`check_health`, :meth:`statistics` and
+        :attr:`stages` from the call on, and gone again if it does not join.
+
+        The replica's task belongs to the stage's pool (see
+        :meth:`StagePool.add_replica <omni_trio.stages.pool.StagePool.add_replica>`); its
+        start is bounded by the stage's ``stage_init_timeout``. Closing the engine cancels an
+        add in flight (its stop bounded by ``shutdown_timeout``) and the close waits for it.
+
+        Always checkpoints; cancelled, the start is cancelled and the stage unchanged.
+        Raises :class:`StageStartError` naming the replica if it fails to start, overruns
+        ``stage_init_timeout``, or is removed while it starts (the stage unchanged);
+        :class:`InvalidRequestError` for an unknown stage; :class:`EngineClosedError` when
+        the engine is closed, or closes while the replica starts (it is not added)."""
         sid = await self._membership_stage(stage, "add_replica")
-        return await self.pools[sid].add_replica()
+        return await self._session.until_close(
+            self.pools[sid].add_replica, f"add_replica({stage!r})"
+        )
 
     async def remove_replica(
         self, stage: str | int, index: int, drain_timeout: float = 30.0
     ) -> None:
         """Stop routing new requests to replica ``index`` of ``stage``, let its requests
         finish for up to ``drain_timeout`` seconds, fail the rest with
-        :class:`ReplicaDeadError`, then stop it (see :meth:`StagePool.remove_replica`).
+        :class:`ReplicaDeadError`, then stop it (see :meth:`StagePool.remove_replica`). A
+        replica still starting (its :meth:`add_replica` in flight) is removed by cancelling
+        its start; that ``add_replica`` raises :class:`StageStartError`.
         Always checkpoints. Raises :class:`InvalidRequestError` for an unknown stage or
         replica, :class:`StageStopError` if its stop failed, :class:`EngineClosedError`."""
         sid = await self._membership_stage(stage, "remove_replica")

@@ -38,6 +38,7 @@ class StageGroup:
                 st,
                 stage_index=i,
                 shutdown_timeout=config.shutdown_timeout,
+                stage_init_timeout=config.stage_init_timeout,
                 lb_policy=config.lb_policy,
                 # one seed per stage: stages with the same replicas do not choose in lockstep
                 lb_seed=None if config.lb_seed is None else config.lb_seed + i,
@@ -96,7 +97,7 @@ class StageGroup:
         started: set[str] = set()
 
         async def start(pool: StagePool) -> None:
-            timeout = pool.config.stage_init_timeout or self.config.stage_init_timeout
+            timeout = pool.init_timeout
             t0 = trio.current_time()
             with trio.move_on_after(timeout) as scope:
                 try:

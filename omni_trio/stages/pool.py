@@ -36,10 +36,12 @@ class StagePool(PoolLifecycle):
     """The replicas of one stage and the requests bound to them.
 
     ``shutdown_timeout`` (the pipeline's) bounds each replica's stop unless the stage sets
-    its own ``shutdown_timeout``; ``lb_policy`` (the pipeline's) is the balancing policy
-    unless the stage sets its own; ``lb_seed`` seeds the ``random`` policy; ``factory``
-    builds each replica's backend (default :func:`create_backend`), for the first start,
-    restarts and added replicas alike.
+    its own ``shutdown_timeout``; ``stage_init_timeout`` (the pipeline's; default unbounded)
+    bounds an added replica's start unless the stage sets its own (:attr:`init_timeout`; the
+    :class:`~omni_trio.stages.group.StageGroup` bounds the first start with it); ``lb_policy``
+    (the pipeline's) is the balancing policy unless the stage sets its own; ``lb_seed`` seeds
+    the ``random`` policy; ``factory`` builds each replica's backend (default
+    :func:`create_backend`), for the first start, restarts and added replicas alike.
     """
 
     # -- requests ------------------------------------------------------------------------

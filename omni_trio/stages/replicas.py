@@ -116,7 +116,8 @@ class ReplicaSlot:
         self.rule = rule or RestartRule()
         #: requests bound to this index now (bound before their run starts on the backend)
         self.bound = 0
-        #: being removed: takes no new request, never restarted
+        #: being removed (an added replica: also when its add is cancelled): takes no new
+        #: request, never restarted
         self.draining = False
         #: a replacement is on its way (backoff, then its start)
         self.restarting = False
