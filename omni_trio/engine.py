@@ -39,6 +39,7 @@ from .outputs import EngineStatistics, OmniOutput, Payload, Prompt, SamplingPara
 from .planning import stage_ref
 from .rpc import fan_out_rpc
 from .stageinfo import StageInfo, SupportedTask, stage_infos, supported_tasks
+from .stages.fanout import check_rpc_timeout
 from .stages.group import StageGroup
 from .stages.pool import StagePool
 from .streams import RequestStream
@@ -217,15 +218,18 @@ class Engine:
         replica that did not answer within ``timeout``; :class:`ReplicaDeadError` when the one
         failing replica died (also while the call was pending); :class:`StageRPCError` naming
         every failing replica ``from ExceptionGroup`` of the causes; :class:`EngineClosedError`
-        when the engine is closed, or closes while the call is pending.
+        when the engine is closed, or closes while the call is pending;
+        :class:`InvalidRequestError` naming the bad argument (a ``timeout`` that is not
+        ``None`` or a number of seconds >= 0, an unknown stage), nothing called.
         """
-        chosen = await self._session.checked(
-            lambda: (
-                list(self.pools)
-                if stage_ids is None
-                else [stage_ref(self.config, ref, "collective_rpc: stage") for ref in stage_ids]
-            )
-        )
+
+        def check() -> list[str]:
+            check_rpc_timeout(timeout)
+            if stage_ids is None:
+                return list(self.pools)
+            return [stage_ref(self.config, ref, "collective_rpc: stage") for ref in stage_ids]
+
+        chosen = await self._session.checked(check)
         return await self._session.until_close(
             lambda: fan_out_rpc([self.pools[sid] for sid in chosen], method, args, kwargs, timeout),
             f"collective_rpc({method!r})",
