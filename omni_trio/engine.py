@@ -165,10 +165,16 @@ class Engine:
         """Abort one request (returns its outputs so far) or several (returns
         ``{request_id: outputs}``), once every stage holding them dropped them.
 
-        Always checkpoints. Cancelled before the abort is committed, nothing happens; once
-        committed it waits (shielded) until the stages dropped the request. Unknown or ended
-        ids give ``[]``; during and after close it is a no-op (``[]`` / ``{}``). Raises the
-        request's :class:`StageError` (with ``exc.partial_outputs``) if a stage failed it.
+        A request waiting for admission (``admission: wait``) leaves the queue at once
+        (``statistics().requests_waiting`` drops) and never runs: ``[]``, and its consumer
+        gets one ``finish_reason="abort"`` terminal per output stage, as from any aborted
+        request. Always checkpoints. Cancelled before the abort is committed, nothing
+        happens. Once committed (every id at once), the abort completes in the background
+        whatever happens to the caller: cancelling the caller (``trio.move_on_after``...)
+        ends its wait for the stages (it raises ``trio.Cancelled``), not the abort. Unknown
+        or ended ids give ``[]``; during and after close it is a no-op (``[]`` / ``{}``).
+        Raises the request's :class:`StageError` (with ``exc.partial_outputs``) if a stage
+        failed it.
         """
         if self._session.state != "open":
             await trio.lowlevel.checkpoint()
@@ -178,7 +184,9 @@ class Engine:
         return await abort_requests(self.orchestrator, request_id)
 
     def abort_nowait(self, request_id: str | Iterable[str]) -> None:
-        """Request an abort and return at once (fire-and-forget). Synchronous; a no-op for
+        """Request an abort and return at once (fire-and-forget): a running request's
+        stages drop it in the background; a request waiting for admission leaves the queue
+        now and never runs (its consumer gets its abort terminals). Synchronous; a no-op for
         unknown or ended ids, and during and after close."""
         if self._session.state != "open":
             return
