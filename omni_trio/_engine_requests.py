@@ -134,25 +134,27 @@ async def abort_requests(
 ) -> dict[str, list[OmniOutput]]:
     """Abort every request of ``request_ids`` at once and wait for all of them: ``{request_id:
     outputs so far}`` (see :meth:`Engine.abort <omni_trio.engine.Engine.abort>`). Always
-    checkpoints; cancelled before the aborts are committed, nothing happens. Raises the one
-    failed request's :class:`StageError`, or a :class:`StageError` naming every failed one
-    ``from ExceptionGroup`` of theirs."""
+    checkpoints; cancelled before the aborts are committed, nothing happens; cancelled after,
+    only the wait ends (every abort completes in the background). Raises the one failed
+    request's :class:`StageError`, or a :class:`StageError` naming every failed one ``from
+    ExceptionGroup`` of theirs."""
     ids = list(dict.fromkeys(request_ids))
+    await trio.lowlevel.checkpoint_if_cancelled()
+    # every abort is committed at once (synchronously), then all of them are waited for
+    aborting = [(rid, orchestrator.commit_abort(rid)) for rid in ids]
     results: dict[str, list[OmniOutput]] = {}
     errors: list[StageError] = []
-
-    async def abort_one(rid: str) -> None:
+    waited = False
+    for rid, request in aborting:
+        if request is None:
+            results[rid] = []
+            continue
+        waited = True
         try:
-            results[rid] = await orchestrator.abort(rid)
+            results[rid] = await request.aborted()
         except StageError as exc:
             errors.append(exc)
-
-    await trio.lowlevel.checkpoint_if_cancelled()
-    with trio.CancelScope(shield=True):
-        # every abort is committed at once, and all of them are waited for
-        async with trio.open_nursery() as nursery:
-            for rid in ids:
-                nursery.start_soon(abort_one, rid)
+    if not waited:
         await trio.lowlevel.cancel_shielded_checkpoint()
     if len(errors) == 1:
         raise errors[0]

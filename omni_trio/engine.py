@@ -39,6 +39,7 @@ from .outputs import EngineStatistics, OmniOutput, Payload, Prompt, SamplingPara
 from .planning import stage_ref
 from .rpc import fan_out_rpc
 from .stageinfo import StageInfo, SupportedTask, stage_infos, supported_tasks
+from .stages.fanout import check_rpc_timeout
 from .stages.group import StageGroup
 from .stages.pool import StagePool
 from .streams import RequestStream
@@ -164,10 +165,16 @@ class Engine:
         """Abort one request (returns its outputs so far) or several (returns
         ``{request_id: outputs}``), once every stage holding them dropped them.
 
-        Always checkpoints. Cancelled before the abort is committed, nothing happens; once
-        committed it waits (shielded) until the stages dropped the request. Unknown or ended
-        ids give ``[]``; during and after close it is a no-op (``[]`` / ``{}``). Raises the
-        request's :class:`StageError` (with ``exc.partial_outputs``) if a stage failed it.
+        A request waiting for admission (``admission: wait``) leaves the queue at once
+        (``statistics().requests_waiting`` drops) and never runs: ``[]``, and its consumer
+        gets one ``finish_reason="abort"`` terminal per output stage, as from any aborted
+        request. Always checkpoints. Cancelled before the abort is committed, nothing
+        happens. Once committed (every id at once), the abort completes in the background
+        whatever happens to the caller: cancelling the caller (``trio.move_on_after``...)
+        ends its wait for the stages (it raises ``trio.Cancelled``), not the abort. Unknown
+        or ended ids give ``[]``; during and after close it is a no-op (``[]`` / ``{}``).
+        Raises the request's :class:`StageError` (with ``exc.partial_outputs``) if a stage
+        failed it.
         """
         if self._session.state != "open":
             await trio.lowlevel.checkpoint()
@@ -177,7 +184,9 @@ class Engine:
         return await abort_requests(self.orchestrator, request_id)
 
     def abort_nowait(self, request_id: str | Iterable[str]) -> None:
-        """Request an abort and return at once (fire-and-forget). Synchronous; a no-op for
+        """Request an abort and return at once (fire-and-forget): a running request's
+        stages drop it in the background; a request waiting for admission leaves the queue
+        now and never runs (its consumer gets its abort terminals). Synchronous; a no-op for
         unknown or ended ids, and during and after close."""
         if self._session.state != "open":
             return
@@ -217,15 +226,18 @@ class Engine:
         replica that did not answer within ``timeout``; :class:`ReplicaDeadError` when the one
         failing replica died (also while the call was pending); :class:`StageRPCError` naming
         every failing replica ``from ExceptionGroup`` of the causes; :class:`EngineClosedError`
-        when the engine is closed, or closes while the call is pending.
+        when the engine is closed, or closes while the call is pending;
+        :class:`InvalidRequestError` naming the bad argument (a ``timeout`` that is not
+        ``None`` or a number of seconds >= 0, an unknown stage), nothing called.
         """
-        chosen = await self._session.checked(
-            lambda: (
-                list(self.pools)
-                if stage_ids is None
-                else [stage_ref(self.config, ref, "collective_rpc: stage") for ref in stage_ids]
-            )
-        )
+
+        def check() -> list[str]:
+            check_rpc_timeout(timeout)
+            if stage_ids is None:
+                return list(self.pools)
+            return [stage_ref(self.config, ref, "collective_rpc: stage") for ref in stage_ids]
+
+        chosen = await self._session.checked(check)
         return await self._session.until_close(
             lambda: fan_out_rpc([self.pools[sid] for sid in chosen], method, args, kwargs, timeout),
             f"collective_rpc({method!r})",

@@ -12,7 +12,9 @@ other output, and nothing of the request remains here or in any stage.
 Admission goes through one :class:`~omni_trio.admission.AdmissionGate`
 (``max_requests_in_flight``; at the limit wait first-in first-out or reject; pause/resume):
 ``submit_nowait`` admits synchronously when there is room, ``submit`` waits for it; a request
-gives its slot back when its task ends.
+gives its slot back when its task ends. A request waiting for admission is a
+:class:`~omni_trio.requests.WaitingRequest`: aborting it takes it out of the queue at once, it
+never runs, and its consumer gets its abort terminals as from any aborted request.
 
 The consumer gets a :class:`RequestHandle`: receive, cancel, cancel-and-wait, status. It never
 reads or writes the request's state.
@@ -34,10 +36,11 @@ from .errors import DuplicateRequestError, EngineClosedError, OmniTrioError
 from .hooks import remove_artifacts
 from .inputs import RequestInput
 from .interactions import Interactions
+from .lifecycle import RequestStatus
 from .observer import ObserverSet
 from .outputs import OmniOutput, Payload, StageInput
 from .planning import RequestPlan
-from .requests import Request, RequestHandle, RequestInfo
+from .requests import Request, RequestHandle, RequestInfo, WaitingRequest
 from .routing import StageFeed
 from .stagerun import StageRunner
 from .stages.pool import StagePool
@@ -57,7 +60,7 @@ class Orchestrator:
         self._nursery: trio.Nursery | None = None
         self._closing = trio.Event()
         self._requests: dict[str, Request] = {}
-        self._waiting_ids: set[str] = set()  # requests waiting for admission
+        self._waiting: dict[str, WaitingRequest] = {}  # requests waiting for admission
         self._ids = itertools.count()
         #: the admission limit, its queue and pause (``max_requests_in_flight``, ``admission``)
         self.admission = AdmissionGate(
@@ -99,13 +102,18 @@ class Orchestrator:
     def new_request_id(self) -> str:
         return f"omni-{next(self._ids)}"
 
-    def _nursery_for(self, request_id: str) -> trio.Nursery:
-        # where a new request's task goes; raises if it may not start
+    def _open_nursery(self) -> trio.Nursery:
+        # where a new request's task goes; raises if the engine closed
         if self.closed or self._nursery is None:
             raise EngineClosedError("the engine is closed; it accepts no new requests")
-        if request_id in self._requests or request_id in self._waiting_ids:
-            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
         return self._nursery
+
+    def _nursery_for(self, request_id: str) -> trio.Nursery:
+        # where a new request's task goes; raises if it may not start
+        nursery = self._open_nursery()
+        if request_id in self._requests or request_id in self._waiting:
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
+        return nursery
 
     def submit_nowait(
         self,
@@ -123,7 +131,7 @@ class Orchestrator:
         """
         nursery = self._nursery_for(request_id)
         self.admission.admit_nowait()
-        return self._start(nursery, request_id, first_input, plan, context)
+        return self._start(nursery, self._new_request(request_id, first_input, plan, context))
 
     async def submit(
         self,
@@ -134,45 +142,67 @@ class Orchestrator:
     ) -> RequestHandle:
         """Admit a request, waiting first-in first-out for room, and start its task.
 
-        Always checkpoints. Cancelled before it is admitted (also while it waits), nothing is
-        admitted and nothing of it stays queued; once admitted, it returns with no checkpoint
-        in between (the caller always gets the handle to end the request with). A waiting
-        request's id counts as in flight. Raises EngineClosedError (also when the engine
-        closes while it waits), EngineOverloadedError, DuplicateRequestError.
+        Always checkpoints. A waiting request's id counts as in flight, and an abort reaches
+        it (:meth:`abort`, :meth:`abort_nowait`): it leaves the queue at once and never runs;
+        this returns the handle of a request that ended aborted (its consumer reads one abort
+        terminal per output stage). Cancelled before it is admitted (also while it waits),
+        nothing is admitted and nothing of it stays queued; once admitted, it returns with no
+        checkpoint in between (the caller always gets the handle to end the request with). A
+        request that does not run has its ``prompt_transform`` artifacts deleted before this
+        returns or raises. Raises EngineClosedError (also when the engine closes while it
+        waits), EngineOverloadedError, DuplicateRequestError.
         """
-        await trio.lowlevel.checkpoint_if_cancelled()
+        waiting: WaitingRequest | None = None
         try:
-            self._nursery_for(request_id)  # refused before it waits, not after
-        except OmniTrioError:
-            await trio.lowlevel.cancel_shielded_checkpoint()
+            await trio.lowlevel.checkpoint_if_cancelled()
+            try:
+                self._nursery_for(request_id)  # refused before it waits, not after
+            except OmniTrioError:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                raise
+            waiting = self._waiting[request_id] = WaitingRequest(context)
+            admitted = False
+            with waiting.scope:
+                await self.admission.admit()
+                admitted = True
+            if waiting.scope.cancel_called:
+                # aborted while it waited, or as its slot was handed over: it never runs
+                if admitted:
+                    self.admission.release()  # the slot goes to the next waiter, if any
+                await remove_artifacts(context)
+                return self._end_unadmitted(
+                    self._new_request(request_id, first_input, plan, context)
+                )
+            try:
+                nursery = self._open_nursery()  # the engine may have closed meanwhile
+            except OmniTrioError:
+                self.admission.release()
+                raise
+            return self._start(nursery, self._new_request(request_id, first_input, plan, context))
+        except BaseException:
+            await remove_artifacts(context)  # it never runs (a cancel-shielded checkpoint)
             raise
-        self._waiting_ids.add(request_id)
-        try:
-            await self.admission.admit()
         finally:
-            self._waiting_ids.discard(request_id)
-        try:
-            nursery = self._nursery_for(request_id)  # the engine may have closed meanwhile
-        except OmniTrioError:
-            self.admission.release()  # the slot goes to the next waiter, if any
-            raise
-        return self._start(nursery, request_id, first_input, plan, context)
+            if waiting is not None:
+                # an abort that came meanwhile waits for this: the request is done with
+                del self._waiting[request_id]
+                waiting.leave()
 
-    def _start(
+    def _new_request(
         self,
-        nursery: trio.Nursery,
         request_id: str,
         first_input: StageInput,
         plan: RequestPlan,
         context: RequestContext,
-    ) -> RequestHandle:
-        # the caller took a slot for it; _finish gives it back
+    ) -> Request:
+        # a request the engine took on (counted), about to run or to end unadmitted
         streamed_input = None
         if context.streaming_input:
             # generate() checked the route has exactly one entry stage
             entry = next(sid for sid in plan.active if not self.config.stage(sid).inputs)
             streamed_input = RequestInput(request_id, entry, first_input, self.config.output_buffer)
-        req = Request(
+        self.n_total += 1
+        return Request(
             request_id,
             plan,
             first_input,
@@ -181,11 +211,25 @@ class Orchestrator:
             self._output,
             streamed_input,
         )
-        self._requests[request_id] = req
-        self.n_total += 1
+
+    def _start(self, nursery: trio.Nursery, req: Request) -> RequestHandle:
+        # the caller took a slot for it; _finish gives it back
+        self._requests[req.request_id] = req
         if self.observers:
-            self.observers.emit("request_started", request_id)
-        nursery.start_soon(self._run_request, req, name=request_id)
+            self.observers.emit("request_started", req.request_id)
+        nursery.start_soon(self._run_request, req, name=req.request_id)
+        return RequestHandle(req)
+
+    def _end_unadmitted(self, req: Request) -> RequestHandle:
+        # An abort took the request out of the admission queue: it ends aborted without
+        # running (no slot, no task, no stage), and its consumer reads its abort terminals
+        # like those of any aborted request. It counts as a request that ended aborted.
+        req.request_abort()
+        if self.observers:
+            self.observers.emit("request_started", req.request_id)
+        status = self._end(req)
+        if self.observers:
+            self.observers.emit("request_finished", req.request_id, status)
         return RequestHandle(req)
 
     # -- the request task ----------------------------------------------------------------------
@@ -202,7 +246,8 @@ class Orchestrator:
                 await remove_artifacts(req.context)
             self._finish(req)
 
-    def _finish(self, req: Request) -> None:
+    def _end(self, req: Request) -> RequestStatus:
+        # the request ended: its status, its terminals queued, counted
         status = req.end()
         if status == "failed":
             self.n_failed += 1
@@ -210,33 +255,60 @@ class Orchestrator:
             self.n_aborted += 1
         else:
             self.n_finished += 1
+        return status
+
+    def _finish(self, req: Request) -> None:
+        status = self._end(req)
         del self._requests[req.request_id]
         self.admission.release()
         if self.observers:
             self.observers.emit("request_finished", req.request_id, status)
 
     # -- control -----------------------------------------------------------------------------
-    def abort_nowait(self, request_id: str) -> bool:
-        """Cancel a request's scope; False if it is unknown or already ended. Synchronous."""
-        req = self._requests.get(request_id)
+    def commit_abort(self, request_id: str) -> Request | WaitingRequest | None:
+        """Abort a request (cancel its scope) or a request waiting for admission (it leaves
+        the queue at once and never runs); what to await ``aborted()`` on, or None if the id
+        is unknown or ended. Synchronous."""
+        req: Request | WaitingRequest | None = self._requests.get(request_id)
         if req is None:
-            return False
+            req = self._waiting.get(request_id)
+            if req is None:
+                return None
         req.request_abort()
-        return True
+        return req
+
+    def abort_nowait(self, request_id: str) -> bool:
+        """Abort a request, or one waiting for admission, without waiting; False if it is
+        unknown or already ended. Synchronous."""
+        return self.commit_abort(request_id) is not None
 
     async def abort(self, request_id: str) -> list[OmniOutput]:
         """Abort and wait until every stage dropped the request; its outputs so far.
 
-        Always checkpoints. Cancelled before the abort is committed: nothing happens; once
-        committed the wait is shielded (bounded by the stages' abort). Unknown or ended ids:
-        ``[]``. Raises the request's :class:`StageError` (``exc.partial_outputs`` holds the
-        outputs so far) if a stage failed it, even while it was being aborted.
+        A request waiting for admission leaves the queue at once and never runs: ``[]``
+        once its consumer's abort terminals are queued. Always checkpoints. Cancelled before
+        the abort is committed: nothing happens. Once committed, the abort completes in the
+        background whatever happens to the caller: cancelling the caller ends its wait
+        (``trio.Cancelled``), not the abort. Unknown or ended ids: ``[]``. Raises the
+        request's :class:`StageError` (``exc.partial_outputs`` holds the outputs so far) if
+        a stage failed it, even while it was being aborted.
         """
-        req = self._requests.get(request_id)
-        if req is None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        aborting = self.commit_abort(request_id)
+        if aborting is None:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return []
+        return await aborting.aborted()
+
+    async def abort_waiting(self, request_id: str, context: RequestContext) -> list[OmniOutput]:
+        """:meth:`abort` of the request waiting for admission with this ``context`` (a
+        stream not admitted yet): ``[]`` once it left the queue; a no-op (``[]``) if no
+        such request waits. Always checkpoints; cancelled, as :meth:`abort`."""
+        waiting = self._waiting.get(request_id)
+        if waiting is None or waiting.context is not context:
             await trio.lowlevel.checkpoint()
             return []
-        return await req.abort()
+        return await self.abort(request_id)
 
     def close(self) -> None:
         """Stop admission (waiting admissions fail with EngineClosedError) and abort every

@@ -1,12 +1,16 @@
 """One admitted request: its state (:class:`Request`, owned by the orchestrator), the
-consumer's narrow :class:`RequestHandle` on it, and a frozen :class:`RequestInfo` snapshot.
+consumer's narrow :class:`RequestHandle` on it, and a frozen :class:`RequestInfo` snapshot;
+and a request still waiting for admission (:class:`WaitingRequest`), which an abort takes out
+of the queue.
 
 A :class:`Request` changes only through its own methods: an abort is requested
 (:meth:`Request.request_abort`), a stage fails it (:meth:`Request.fail`), its task ends
 (:meth:`Request.end`, which decides the outcome with the pure
 :class:`~omni_trio.lifecycle.RequestLifecycle` and queues the terminal outputs or the error
 to the consumer, through the same queue as every other output). "Cancel and wait until every
-stage dropped it" is written once, :meth:`Request.cancel_and_wait`.
+stage dropped it" is written once, :meth:`Request.cancel_and_wait` (shielded: leaving a stream
+keeps that promise); an abort's own wait (:meth:`Request.aborted`) is the caller's to cancel,
+and the abort, once committed, completes in the request's own task either way.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from .outputs import FINISH_ABORT, OmniOutput, StageInput, StageOutput
 from .planning import RequestPlan
 from .transport.queue import OutputQueue
 
-__all__ = ["Request", "RequestHandle", "RequestInfo"]
+__all__ = ["Request", "RequestHandle", "RequestInfo", "WaitingRequest"]
 
 logger = logging.getLogger(__name__)
 
@@ -228,17 +232,32 @@ class Request:
             await self._ended_event().wait()
 
     async def abort(self) -> list[OmniOutput]:
-        """Abort and wait; the outputs so far (``[]`` if it had ended already).
+        """Abort and wait until every stage dropped the request; the outputs so far (``[]``
+        if it had ended already).
 
-        Always checkpoints. Cancelled before the abort is committed: nothing happens; once
-        committed the wait is shielded. Raises the request's :class:`StageError` (with
-        ``exc.partial_outputs``) if a stage failed it, even while it was being aborted.
+        Always checkpoints. Cancelled before the abort is committed: nothing happens. Once
+        committed, the abort completes in the request's own task whatever happens to the
+        caller: cancelling the caller ends only its wait (see :meth:`aborted`). Raises the
+        request's :class:`StageError` (with ``exc.partial_outputs``) if a stage failed it,
+        even while it was being aborted.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         if self.ended:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return []
-        await self.cancel_and_wait()
+        self.request_abort()
+        return await self.aborted()
+
+    async def aborted(self) -> list[OmniOutput]:
+        """Wait until the request ended (an abort was committed: :meth:`request_abort`); its
+        outputs so far.
+
+        Always checkpoints. Cancelled, it raises ``trio.Cancelled`` and the request goes on
+        ending in its own task (a stage's slow abort cleanup does not hold the caller past
+        its deadline). Raises the request's :class:`StageError` (with
+        ``exc.partial_outputs``) if a stage failed it, even while it was being aborted.
+        """
+        await self._ended_event().wait()
         produced = self.produced()
         error = self._error
         if error is None:
@@ -269,6 +288,46 @@ class Request:
             f"<Request {self.request_id!r} {self.lifecycle.status} "
             f"stages={list(self.plan.active)} outputs={self.n_produced}>"
         )
+
+
+class WaitingRequest:
+    """A request waiting for admission (``admission: wait`` at ``max_requests_in_flight``,
+    or paused), held by the orchestrator while it waits. Its wait runs in :attr:`scope`: an
+    abort (:meth:`request_abort`) cancels that scope, which takes the request out of the
+    admission queue at once; it then never runs, and ends as an aborted request."""
+
+    __slots__ = ("_left", "context", "scope")
+
+    def __init__(self, context: RequestContext) -> None:
+        #: the waiting request's context: tells it from a later request with the same id
+        self.context = context
+        #: the scope of its admission wait (only an abort cancels it)
+        self.scope = trio.CancelScope()
+        self._left = trio.Event()
+
+    @property
+    def request_id(self) -> str:
+        return self.context.request_id
+
+    def request_abort(self) -> None:
+        """Abort: end the wait; the request never runs. Synchronous; a no-op once it left
+        the queue another way (admitted, refused, cancelled)."""
+        self.scope.cancel()
+
+    def leave(self) -> None:
+        """It is done waiting: admitted, ended aborted, refused or cancelled. Synchronous."""
+        self._left.set()
+
+    async def aborted(self) -> list[OmniOutput]:
+        """Wait until it left (an abort was committed: :meth:`request_abort`); ``[]``, the
+        request never ran. Always checkpoints; cancelled, it raises ``trio.Cancelled``."""
+        await self._left.wait()
+        return []
+
+    def __repr__(self) -> str:
+        state = "left" if self._left.is_set() else "waiting"
+        abort = " abort-requested" if self.scope.cancel_called else ""
+        return f"<WaitingRequest {self.request_id!r} {state}{abort}>"
 
 
 class RequestHandle:

@@ -10,7 +10,9 @@ the channel of a stage already running, or (a *deferred* feed, with no channel) 
 orchestrator starts the downstream stage with it only then. It never runs inside a backend's
 call stack, so a processor that raises fails the request as a
 :class:`~omni_trio.errors.StageError` of the *downstream* stage and counts against no replica
-of the upstream one.
+of the upstream one; a processor that rejects the request's input with
+:class:`~omni_trio.errors.InvalidRequestError` fails it with that type, its message naming
+the stage.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from .errors import StageError
+from .errors import InvalidRequestError, StageError
 from .observer import ObserverSet, payload_nbytes
 from .outputs import Payload, StageInput, StageOutput
 from .stages.processors import InputProcessor, StageContext
@@ -152,6 +154,12 @@ class StageFeed:
                 self._context = context
         try:
             chunk = self._processor(upstream, final=final, options=self._options, context=context)
+        except InvalidRequestError as exc:
+            # the request's input is what is wrong (a 400, not a 500): its type stays
+            raise InvalidRequestError(
+                f"the input processor of stage {self.stage_id!r} rejected request "
+                f"{self.request_id!r}: {exc}"
+            ) from exc
         except Exception as exc:
             raise StageError(
                 f"the input processor of stage {self.stage_id!r} failed for request "
@@ -182,7 +190,8 @@ class StageFeed:
     def take(self, source: str, out: StageOutput) -> StageInput | None:
         """Take one output of upstream stage ``source``; the chunk to send now, if any.
 
-        Synchronous. Raises StageError (naming this feed's stage) if the processor fails."""
+        Synchronous. Raises StageError (naming this feed's stage) if the processor fails, or
+        the InvalidRequestError it raised, naming the stage."""
         if self._closed:
             return None
         if self._stream:
@@ -221,7 +230,7 @@ class StageFeed:
         return not self._pending
 
     def final_chunk(self) -> StageInput | None:
-        """The last chunk, once every upstream finished. Raises StageError like ``take``."""
+        """The last chunk, once every upstream finished. Raises like ``take``."""
         if self._closed:
             return None
         if self._stream:

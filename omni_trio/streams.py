@@ -85,14 +85,11 @@ class RequestStream:
                 await remove_artifacts(self.context)  # a cancel-shielded checkpoint
                 raise
             if handle is None:
-                # no room: wait in line (outside the except block: its errors are its own)
-                try:
-                    handle = await self._orchestrator.submit(
-                        self.request_id, self._first, self.plan, self.context
-                    )
-                except BaseException:  # refused or cancelled while waiting: it never runs
-                    await remove_artifacts(self.context)
-                    raise
+                # no room: wait in line (outside the except block: its errors are its own;
+                # a request that does not run has its artifacts deleted by submit)
+                handle = await self._orchestrator.submit(
+                    self.request_id, self._first, self.plan, self.context
+                )
                 self._handle = handle
                 return handle
             self._handle = handle
@@ -108,9 +105,13 @@ class RequestStream:
         """Admit the request; at ``max_requests_in_flight`` (or while the engine is paused)
         it waits first-in first-out under ``admission: wait``. Always checkpoints: cancelled
         before admission (also while waiting), nothing is admitted and nothing stays queued;
-        once admitted, ``__aexit__`` is guaranteed to run. Raises EngineClosedError (also when
-        the engine closes while it waits), EngineOverloadedError (``admission: reject`` at the
-        limit or paused, or ``max_waiting`` admissions already wait), DuplicateRequestError."""
+        once admitted, ``__aexit__`` is guaranteed to run. Aborted while it waits
+        (``engine.abort``, ``engine.abort_nowait``, :meth:`abort` from another task), the
+        request never runs: this returns, and the stream yields one ``finish_reason="abort"``
+        terminal per output stage, then ends (its status is ``aborted``). Raises
+        EngineClosedError (also when the engine closes while it waits),
+        EngineOverloadedError (``admission: reject`` at the limit or paused, or
+        ``max_waiting`` admissions already wait), DuplicateRequestError."""
         await self._admit()
         self._in_context = True
         return self
@@ -149,10 +150,17 @@ class RequestStream:
 
     async def abort(self) -> list[OmniOutput]:
         """Abort this request and wait until every stage dropped it; its outputs so far.
-        Always checkpoints."""
+
+        A request waiting for admission (its stream being entered in another task) leaves
+        the queue at once and never runs: ``[]``, and its consumer reads one abort terminal
+        per output stage. A stream not entered yet: a no-op, ``[]``. Always checkpoints.
+        Cancelled before the abort is committed, nothing happens; once committed, the abort
+        completes in the background whatever happens to the caller: cancelling the caller
+        ends its wait (``trio.Cancelled``), not the abort. Raises the request's
+        :class:`~omni_trio.errors.StageError` (with ``exc.partial_outputs``) if a stage
+        failed it, even while it was being aborted."""
         if self._handle is None:
-            await trio.lowlevel.checkpoint()
-            return []
+            return await self._orchestrator.abort_waiting(self.request_id, self.context)
         return await self._handle.abort()
 
     async def interact(self, payload: object) -> bool:

@@ -121,13 +121,16 @@ async def test_cancelled_calls_commit_nothing(autojump_clock):
         assert engine.statistics().requests_aborted == 1
 
 
-async def test_abort_once_committed_waits_even_when_cancelled(autojump_clock):
-    cfg = scripted_pipeline(1, hang=True, stop_delay_s=0)
+async def test_abort_once_committed_completes_when_its_callers_wait_is_cancelled(autojump_clock):
+    cfg = scripted_pipeline(1, hang=True, abort_delay_s=10.0)
     async with omni_trio.open_engine(cfg) as engine:
         async with engine.generate("x", request_id="r"):
             await trio.testing.wait_all_tasks_blocked()
-            with trio.move_on_after(0.001):
+            with trio.move_on_after(0.001) as scope:
                 await engine.abort("r")
-            # the abort was committed before the deadline hit: it completed in every stage
-            assert engine.statistics().requests_in_flight == 0
+            # the deadline ended the caller's wait, not the abort: the stage still cleans up
+            assert scope.cancelled_caught
+            assert engine.statistics().requests_in_flight == 1
+        # leaving the stream waited until the abort completed in every stage
+        assert engine.statistics().requests_aborted == 1
         assert_nothing_in_flight(engine)

@@ -1,8 +1,11 @@
 """Engine session: lifecycle, start-up failures, close with requests in flight, abort, rpc."""
 
+import math
+
 import pytest
 import trio
 import trio.lowlevel
+from trio.testing import assert_checkpoints
 
 import omni_trio
 from omni_trio import (
@@ -219,6 +222,23 @@ async def test_collective_rpc_timeout_names_silent_stages(autojump_clock):
         assert "b[0]" in str(info.value) and "2.0s" in str(info.value)
         # and the engine still works
         assert len(await engine.generate("x").collect()) == 8
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), "5", True])
+async def test_collective_rpc_refuses_a_bad_timeout_naming_it(autojump_clock, bad):
+    cfg = scripted_pipeline(["a", "b"])
+    async with omni_trio.open_engine(cfg) as engine:
+        t0 = trio.current_time()
+        message = r"collective_rpc: timeout must be None or a number of seconds >= 0, not "
+        with assert_checkpoints(), pytest.raises(InvalidRequestError, match=message):
+            await engine.collective_rpc("sleep", args=(5,), timeout=bad)
+        with assert_checkpoints(), pytest.raises(InvalidRequestError, match=message):
+            await engine.pools["a"].collective_rpc("sleep", (5,), timeout=bad)
+        assert trio.current_time() == t0  # nothing was called: no replica slept
+        # a zero or infinite bound is a bound, and the engine still answers
+        with pytest.raises(CollectiveRPCTimeoutError):
+            await engine.collective_rpc("sleep", args=(5,), timeout=0)
+        assert len(await engine.collective_rpc("echo", timeout=math.inf)) == 2
 
 
 async def test_abort_many_and_nowait(autojump_clock):

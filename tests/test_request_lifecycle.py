@@ -96,6 +96,12 @@ class FailStartReplica1(StageBackend):
 
 def broken_processor(upstream, *, final, options):
     raise KeyError("the talker prompt template has no slot for this")
+
+
+def picky_processor(upstream, *, final, options):
+    from omni_trio import InvalidRequestError
+
+    raise InvalidRequestError("the prompt asks for a voice this talker does not have")
 """
 
 
@@ -264,6 +270,44 @@ async def test_input_processor_bug_is_the_downstream_stages_error(autojump_clock
         a_replica = engine.statistics().stage("a").replicas[0]
         assert a_replica.requests_failed == 0  # nothing counted against stage a
         assert engine.statistics().requests_failed == 1
+        assert_nothing_in_flight(engine)
+
+
+@pytest.mark.parametrize(
+    ("a_output", "stream_input"),
+    [(False, False), (False, True), (True, False)],
+    ids=["collected", "streamed", "routed"],
+)
+async def test_input_processor_rejecting_the_request_reaches_the_consumer_typed(
+    autojump_clock, backends, a_output, stream_input
+):
+    cfg = load_config(
+        {
+            "stages": [
+                {"id": "a", "options": {"outputs": 2}, "final_output": a_output},
+                {
+                    "id": "b",
+                    "inputs": ["a"],
+                    "input_processor": f"{backends}:picky_processor",
+                    "stream_input": stream_input,
+                    "final_output": True,
+                },
+            ]
+        }
+    )
+    async with omni_trio.open_engine(cfg) as engine:
+        with pytest.raises(InvalidRequestError) as info:
+            await engine.generate("x", request_id="r").collect()
+        assert not isinstance(info.value, StageError)
+        assert str(info.value) == (
+            "the input processor of stage 'b' rejected request 'r': the prompt asks for a "
+            "voice this talker does not have"
+        )
+        assert isinstance(info.value.__cause__, InvalidRequestError)
+        stats = engine.statistics()
+        assert stats.stage("a").replicas[0].requests_failed == 0  # not stage a's failure
+        assert stats.requests_failed == 1
+        assert len(await engine.generate("x", output_stages=["a"]).collect()) == 2  # serving
         assert_nothing_in_flight(engine)
 
 

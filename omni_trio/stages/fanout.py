@@ -8,12 +8,23 @@ from collections.abc import Mapping, Sequence
 
 import trio
 
-from ..errors import CollectiveRPCTimeoutError, StageRPCError
+from ..errors import CollectiveRPCTimeoutError, InvalidRequestError, StageRPCError
 from ..failures import describe_failures, group_causes
 from ..outputs import Payload
 from ._abc import StageBackend
 
-__all__ = ["call_replicas"]
+__all__ = ["call_replicas", "check_rpc_timeout"]
+
+
+def check_rpc_timeout(timeout: object) -> None:
+    """Refuse a ``collective_rpc`` timeout that is not ``None`` or a number of seconds at
+    least 0 (``math.inf``: no bound). Pure. Raises :class:`InvalidRequestError` naming it."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise InvalidRequestError(
+            f"collective_rpc: timeout must be None or a number of seconds >= 0, not {timeout!r}"
+        )
 
 
 async def call_replicas(
@@ -29,7 +40,13 @@ async def call_replicas(
     order. Checkpoints; cancelling the caller cancels every call. Raises
     :class:`CollectiveRPCTimeoutError` naming the replicas that did not answer within
     ``timeout``; :class:`StageRPCError` naming each replica that raised, from an
-    ``ExceptionGroup`` of every cause."""
+    ``ExceptionGroup`` of every cause; :class:`InvalidRequestError` for a bad ``timeout``
+    (:func:`check_rpc_timeout`), nothing called."""
+    try:
+        check_rpc_timeout(timeout)
+    except InvalidRequestError:
+        await trio.lowlevel.checkpoint()
+        raise
     results: list[Payload] = [None] * len(replicas)
     answered = [False] * len(replicas)
     errors: list[Exception | None] = [None] * len(replicas)

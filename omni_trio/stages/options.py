@@ -81,6 +81,10 @@ class ScriptedOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     ] = 0.0
     fail_start: Annotated[bool, Meta(description="start-up raises")] = False
     stop_delay_s: Annotated[float, Meta(ge=0, description="trio-clock seconds to stop")] = 0.0
+    abort_delay_s: Annotated[
+        float,
+        Meta(ge=0, description="trio-clock seconds a request's abort cleanup takes (shielded)"),
+    ] = 0.0
     token_offset: Annotated[int, Meta(description="added to every token id per hop")] = 1
     record: Annotated[
         Annotated[int, Meta(ge=0)] | bool,

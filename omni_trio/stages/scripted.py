@@ -16,6 +16,9 @@ Options (under the stage's ``options:``):
 ``start_delay_s`` (float, 0)    trio-clock delay before the replica reports ready
 ``fail_start`` (bool)           start-up raises
 ``stop_delay_s`` (float, 0)     trio-clock delay while stopping
+``abort_delay_s`` (float, 0)    trio-clock delay of a request's abort cleanup: a cancelled
+                                request waits this long, shielded, before it lets the
+                                cancellation through (a real engine's slow abort)
 ``token_offset`` (int, 1)       see below
 ``record`` (int|false, 10000)   how many entries the records below keep (the most recent);
                                 ``false``: none, so a long-running scripted server stays flat
@@ -343,6 +346,9 @@ class ScriptedBackend(StageBackend):
             self.completed.append(request_id)
         except trio.Cancelled:
             self.aborted.append(request_id)
+            if self.options.abort_delay_s:
+                with trio.CancelScope(shield=True):
+                    await trio.sleep(self.options.abort_delay_s)
             raise
         finally:
             del self._live[request_id]

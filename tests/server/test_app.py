@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import wave
 from functools import partial
 
@@ -219,6 +220,53 @@ async def test_stage_failure_is_500_and_affects_only_that_request():
         assert engine.statistics().requests_failed == 2
         r = await http.get("/health")
         assert r.status_code == 200  # a request-scoped error leaves the stages healthy
+
+
+PICKY_PROCESSOR = """
+from omni_trio import InvalidRequestError
+
+
+def picky(upstream, *, final, options):
+    raise InvalidRequestError("the prompt asks for a voice this talker does not have")
+"""
+
+
+async def test_a_processor_rejecting_the_request_is_400_naming_its_stage(user_module):
+    picky = f"{user_module(PICKY_PROCESSOR)}:picky"
+    cfg = omni_trio.load_config(
+        {
+            "name": "scripted",
+            "stages": [
+                {"id": "thinker", "options": {"outputs": 4}},
+                {
+                    "id": "talker",
+                    "inputs": ["thinker"],
+                    "input_processor": picky,
+                    "final_output": True,
+                },
+            ],
+        }
+    )
+    rejected = (
+        r"^the input processor of stage 'talker' rejected request 'chatcmpl-\w+': "
+        r"the prompt asks for a voice this talker does not have$"
+    )
+    async with running_server(cfg) as (engine, base), client_for(base) as http:
+        body = {"model": "scripted", "messages": MSG}
+        r = await http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and re.match(rejected, err["message"])
+        # streaming: the stream has begun (its role delta), so the error is its last event
+        r = await http.post("/v1/chat/completions", json={**body, "stream": True})
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["type"] == "invalid_request_error" and re.match(rejected, err["message"])
+        assert engine.statistics().requests_failed == 2
+        await wait_until_idle(engine)
+        r = await http.get("/health")
+        assert r.status_code == 200  # a rejected request leaves the stages healthy
 
 
 async def test_metrics_endpoint_parses_and_counts_requests():

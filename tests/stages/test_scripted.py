@@ -269,3 +269,20 @@ async def test_a_hang_ends_with_a_stop_or_an_abort_and_never_both(autojump_clock
         assert b.completed == ["stopped"] and b.requests_in_flight == 0
         assert b.statistics().requests_aborted == 1
         nursery.cancel_scope.cancel()
+
+
+async def test_abort_delay_makes_a_cancelled_requests_cleanup_take_that_long(autojump_clock):
+    b = backend(latency_s=1.0, abort_delay_s=30.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.serve)
+        t0 = trio.current_time()
+        with trio.move_on_after(2.5) as scope:
+            await run(b, "r", StageInput(token_ids=(1,)))
+        # the cancellation reached it at 2.5 s; its cleanup, shielded, took 30 s more
+        assert scope.cancelled_caught
+        assert trio.current_time() - t0 == pytest.approx(32.5)
+        assert b.aborted == ["r"] and b.requests_in_flight == 0
+        assert (await run(b, "s", StageInput(token_ids=(1,))))[-1].finished  # still serving
+        nursery.cancel_scope.cancel()
+    with pytest.raises(ConfigError, match=r"options\.abort_delay_s: Expected `float` >= 0"):
+        backend(abort_delay_s=-1.0)
