@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import importlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from .conftest import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "bench_replicas.py"
@@ -101,13 +102,8 @@ async def test_every_cell_runs_and_loses_exactly_the_killed_replicas_requests(
 
 @pytest.mark.slow
 def test_the_script_prints_one_json_object_on_the_real_clock() -> None:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    done = run_bounded([sys.executable, str(SCRIPT), "--quick"], 300, "the benchmark to end")
+    assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["benchmark"] == "replicas" and result["passes"] == 1
     assert result["shape"]["requests"] == 100

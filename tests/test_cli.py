@@ -16,6 +16,8 @@ import pytest
 
 from omni_trio.cli import main
 
+from .conftest import engine_seconds, kill_processes, process_tree, read_until
+
 TWO_STAGES = """\
 name: two
 stages:
@@ -107,11 +109,12 @@ def test_ctrl_c_during_run_is_one_line(tmp_path):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stdout is not None and proc.stderr is not None
-    seen = ""
-    while "b:" not in seen:  # the first outputs are streaming: the request is in flight
-        seen += proc.stdout.read(1)
-    proc.send_signal(signal.SIGINT)
-    rc = proc.wait(60)
+    try:
+        read_until(proc, "b:", 60)  # the first outputs are streaming: the request is in flight
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(engine_seconds(60))
+    finally:
+        kill_processes(process_tree(proc.pid))
     err = proc.stderr.read()
     assert rc == 1, err
     assert "omni-trio: interrupted" in err and "Traceback" not in err and "error" not in err

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 import wave
 from functools import partial
@@ -22,6 +21,7 @@ from omni_trio.errors import StageError
 from omni_trio.runner import StageTimer, run_prompts
 from omni_trio.testing import cancel_at_every_checkpoint, scripted_pipeline, scripted_tokens
 
+from .conftest import run_bounded
 from .test_cli import LOG_NOTE, log_file, one_line_error, pipeline, write
 from .test_config import stage
 from .test_config_read import one_stage_yaml
@@ -145,7 +145,8 @@ def test_cli_validate_keeps_one_line_for_a_big_pipeline(tmp_path, capsys):
 @pytest.mark.vllm
 def test_demo_end_to_end_streams_text_and_writes_wavs(tmp_path):
     out_dir = tmp_path / "demo"
-    proc = subprocess.run(
+    # past the bound the demo and its EngineCores are killed, all of them
+    proc = run_bounded(
         [
             sys.executable,
             "-m",
@@ -158,9 +159,8 @@ def test_demo_end_to_end_streams_text_and_writes_wavs(tmp_path):
             "--max-tokens",
             "8",
         ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        timeout=600,
+        600,
+        "`omni-trio demo` to end",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out, err = proc.stdout, proc.stderr

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import wave
 
 import httpx
@@ -23,6 +24,7 @@ import pytest
 
 from omni_trio.cli import main
 
+from .conftest import EngineWaitTimeout, engine_seconds, kill_processes, process_tree
 from .test_cli import TWO_STAGES, log_file, one_line_error, pipeline, write
 
 
@@ -61,11 +63,29 @@ class Server:
             self.lines.put(line)
 
     def wait_for_port(self, timeout: float) -> int:
-        while True:
-            line = self.lines.get(timeout=timeout)
+        """The port the server says it serves on, within ``engine_seconds(timeout)``; fails
+        at once, with its stderr, if it exits before that."""
+        deadline = time.monotonic() + engine_seconds(timeout)
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is not None and self.lines.empty():
+                    err = self.proc.stderr.read() if self.proc.stderr else ""
+                    raise AssertionError(
+                        f"the server exited ({self.proc.returncode}) before serving\n{err[-3000:]}"
+                    ) from None
+                continue
             m = re.search(r"on http://127\.0\.0\.1:(\d+)", line)
             if m:
                 return int(m.group(1))
+        raise EngineWaitTimeout(f"waited {engine_seconds(timeout):g} s for the server's port")
+
+    def kill(self) -> None:
+        """SIGKILL the server and everything below it (its EngineCores would outlive it)."""
+        if self.proc.poll() is None:
+            kill_processes(process_tree(self.proc.pid))
+        self.proc.wait()
 
     def children(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children(recursive=True)
@@ -106,12 +126,10 @@ def test_serve_stops_on_a_signal_with_a_request_in_flight(tmp_path, sig, grace, 
         assert results["started"].wait(30)
         kids = server.children()
         server.proc.send_signal(sig)
-        client.join(60)
-        rc = server.proc.wait(60)
+        client.join(engine_seconds(60))
+        rc = server.proc.wait(engine_seconds(60))
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-            server.proc.wait()
+        server.kill()
     stderr = server.proc.stderr.read() if server.proc.stderr else ""
     assert rc == 0, stderr
     assert "Traceback" not in stderr
@@ -130,10 +148,12 @@ def test_serve_stops_on_a_signal_with_a_request_in_flight(tmp_path, sig, grace, 
         assert events[-1] == "[DONE]" and len(events) < 22
         assert json.loads(events[-2])["error"]["code"] == "server_shutdown"
     out = "".join(iter_queue(server.lines))
+    left = alive(kids)
+    kill_processes(left)
     assert "server stopped" in out
     expect = "1 finished, 0 aborted" if finishes else "0 finished, 1 aborted"
     assert f"engine: 1 requests: {expect}, 0 failed, 0 in flight" in out
-    assert not alive(kids)
+    assert not left
 
 
 def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
@@ -165,7 +185,12 @@ def test_serve_tiny_omni_chat_and_speech_then_sigterm_leaves_no_engine_process()
         port = server.wait_for_port(timeout=600)
         kids = server.children()
         assert kids  # vLLM's EngineCore processes
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1",
+            api_key="x",
+            max_retries=0,
+            timeout=engine_seconds(120),
+        )
         resp = client.chat.completions.create(
             model="tiny-omni", messages=[{"role": "user", "content": "Hi!"}], max_tokens=8
         )
@@ -185,7 +210,7 @@ def test_serve_tiny_omni_chat_and_speech_then_sigterm_leaves_no_engine_process()
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/audio/speech",
             json={"model": "tiny-omni", "input": "Say something.", "max_tokens": 4},
-            timeout=120,
+            timeout=engine_seconds(120),
         )
         assert r.status_code == 200, r.text
         with wave.open(io.BytesIO(r.content)) as w:
@@ -195,14 +220,14 @@ def test_serve_tiny_omni_chat_and_speech_then_sigterm_leaves_no_engine_process()
         kids = server.children()  # the EngineCores, their workers, the resource tracker
         assert any("resource_tracker" in " ".join(k.cmdline()) for k in kids)
         server.proc.send_signal(signal.SIGTERM)
-        rc = server.proc.wait(120)
+        rc = server.proc.wait(engine_seconds(120))
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-            server.proc.wait()
+        server.kill()
     err = server.proc.stderr.read() if server.proc.stderr else ""
+    left = alive(kids)
+    kill_processes(left)  # what a failing stop left dies with the test
     assert rc == 0, err[-3000:]
-    assert not alive(kids)  # not even for a moment after the exit: no race to lose
+    assert not left  # not even for a moment after the exit: no race to lose
     # vLLM stopped its engines cleanly: nothing killed, nothing left to the resource tracker
     assert "leaked" not in err and "Traceback" not in err
     assert "thinker (vllm) ready in" in err and "code2wav (torch) ready in" in err

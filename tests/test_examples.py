@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from omni_trio import ConfigError, StageConfig, load_config
+
+from .conftest import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -30,14 +31,7 @@ def run(args: list[str], cwd: Path) -> str:
     env = dict(os.environ)
     # the examples run against this checkout, wherever omni-trio is installed from
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    proc = run_bounded([sys.executable, *args], TIMEOUT_S, f"{args} to end", cwd=cwd, env=env)
     assert proc.returncode == 0, (
         f"{args} exited {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     )

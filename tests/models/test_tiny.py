@@ -13,6 +13,8 @@ from omni_trio.errors import ConfigError
 from omni_trio.models import TINY_PRESETS, ensure_tiny_model, model_fingerprint, resolve_model
 from omni_trio.models.progress import reporting_to
 
+from ..conftest import run_bounded
+
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -25,10 +27,9 @@ def thinker(cache: Path) -> Path:
 
 
 def test_import_is_light() -> None:
-    import subprocess
-
     code = "import sys, omni_trio.models; print('torch' in sys.modules, 'vllm' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run_bounded([sys.executable, "-c", code], 60, "an import of omni_trio.models")
+    assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"]
 
 

@@ -30,6 +30,8 @@ from omni_trio.stages._ray_link import RayLink, cluster_endpoint
 from omni_trio.stages.ray import RayBackend, placement_problem
 from omni_trio.testing import cancel_at_every_checkpoint
 
+from ..conftest import bounded, engine_seconds, kill_tree
+
 pytestmark = pytest.mark.ray
 
 pytest.importorskip("ray")
@@ -166,7 +168,7 @@ async def test_a_killed_actor_fails_only_its_requests_and_is_restarted():
         async with trio.open_nursery() as nursery:
             for i in range(4):
                 nursery.start_soon(one, f"r{i}")
-            with trio.fail_after(60):
+            with bounded("4 requests streaming from stage b", 60, engine):
                 await all_seen.wait()
             victims = {r for r in seen if pool.replica_of(r).replica == 0}
             assert len(victims) == 2
@@ -176,7 +178,7 @@ async def test_a_killed_actor_fails_only_its_requests_and_is_restarted():
         failed = {rid for rid, r in results.items() if r != "ok"}
         assert failed == victims
         assert all(isinstance(results[r], ReplicaDeadError) for r in failed)
-        with trio.fail_after(60):
+        with bounded("the killed actor's restart", 60, engine):
             await pool.wait_settled()
         stats = pool.statistics().replicas
         assert [r.state for r in stats] == ["ready", "ready"] and stats[0].restarts == 1
@@ -214,7 +216,7 @@ async def test_a_hung_actor_is_caught_by_the_health_call_and_replaced(monkeypatc
                         os.kill(pid, signal.SIGSTOP)  # the actor hangs: alive, answers nothing
         try:
             assert caught.value.stage_id == "b"
-            with trio.fail_after(60):
+            with bounded("the hung actor's replacement", 60, engine):
                 await pool.wait_settled()
             (replica,) = pool.statistics().replicas
             assert replica.state == "ready" and replica.restarts == 1
@@ -268,15 +270,20 @@ async def test_against_an_existing_cluster_it_kills_only_its_own_actors(tmp_path
     address = f"127.0.0.1:{port}"
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     before = {p.pid for p in psutil.process_iter()}
-    await trio.run_process(
-        [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2"]
-        + ["--include-dashboard=false", "--disable-usage-stats"],
-        capture_stdout=True,
-        capture_stderr=True,
-    )
+    with bounded("`ray start` (a subprocess)", 120):
+        await trio.run_process(
+            [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2"]
+            + ["--include-dashboard=false", "--disable-usage-stats"],
+            capture_stdout=True,
+            capture_stderr=True,
+            deliver_cancel=kill_tree,
+        )
     cluster = [p for p in psutil.process_iter() if p.pid not in before]
     try:
-        await trio.run_process([sys.executable, "-c", FOREIGN_ACTOR, address])
+        with bounded("the other job's actor (a subprocess)", 120):
+            await trio.run_process(
+                [sys.executable, "-c", FOREIGN_ACTOR, address], deliver_cancel=kill_tree
+            )
         cfg = pipeline(True)
         cfg["stages"][1]["placement"] = {"ray": {"address": address, "num_cpus": 0.5}}
         async with omni_trio.open_engine(cfg) as engine:
@@ -302,7 +309,7 @@ async def test_against_an_existing_cluster_it_kills_only_its_own_actors(tmp_path
 async def test_an_unsatisfiable_placement_fails_fast_saying_what_was_asked():
     cfg = pipeline(True)
     cfg["stages"][1]["placement"] = {"ray": {"num_cpus": 64}}
-    with trio.fail_after(60):
+    with bounded("the start's failure", 60):
         with pytest.raises(StageStartError, match=r"no Ray node has CPU=64"):
             async with omni_trio.open_engine(cfg):
                 pass
@@ -335,7 +342,7 @@ async def start_failure(address: str) -> StageStartError:
     """The error an engine whose stage b is placed on Ray at ``address`` fails to start with."""
     cfg = pipeline(True)
     cfg["stages"][1]["placement"] = {"ray": {"address": address, "num_cpus": 0.5}}
-    with trio.fail_after(60):
+    with bounded(f"the start's failure at {address}", 60):
         with pytest.raises(StageStartError) as info:
             async with omni_trio.open_engine(cfg):
                 pass
@@ -452,8 +459,10 @@ async def test_a_vllm_stage_in_an_actor_gives_the_same_greedy_tokens() -> None:
     async def tokens(config: dict) -> list[list[int]]:
         async with omni_trio.open_engine(config) as engine:
             got = []
-            for p in prompts:
-                got.append([t for o in await engine.generate(p).collect() for t in o.token_ids])
+            with bounded("the greedy outputs of each prompt", 120, engine):
+                for p in prompts:
+                    outs = await engine.generate(p).collect()
+                    got.append([t for o in outs for t in o.token_ids])
             assert engine.statistics().stage_requests_in_flight == 0
             return got
 
@@ -561,7 +570,7 @@ async def test_an_actor_killed_during_an_interaction_fails_it_with_a_stage_error
         assert isinstance(error, StageError) and error.stage_id == "a"
         assert f"replica {replica.name}" in str(error) and "interaction" in str(error)
         assert error.__cause__ is not None
-        with trio.fail_after(60):
+        with bounded("the killed actor's restart", 60, engine):
             await pool.wait_settled()
         assert pool.statistics().replicas[0].restarts == 1
         assert engine.statistics().requests_in_flight == 0
@@ -584,7 +593,7 @@ async def test_an_interaction_cancelled_at_each_checkpoint_leaves_nothing_in_the
                 async for _out in stream:
                     pass
 
-        report = await cancel_at_every_checkpoint(engine, consumer, run_timeout=60.0)
+        report = await cancel_at_every_checkpoint(engine, consumer, run_timeout=engine_seconds(60))
         report.raise_if_failed()
         assert report.runs == report.checkpoints + 1 >= 8  # 11 when measured
         (stats,) = await engine.collective_rpc("stats", stage_ids=["a"])
@@ -608,7 +617,7 @@ async def test_a_consumer_cancelled_at_each_checkpoint_leaves_nothing_in_the_act
                     pass
 
         # a run that stalls (a lost chunk did, once) is reported within a minute
-        report = await cancel_at_every_checkpoint(engine, consumer, run_timeout=60.0)
+        report = await cancel_at_every_checkpoint(engine, consumer, run_timeout=engine_seconds(60))
         report.raise_if_failed()
         assert report.runs == report.checkpoints + 1 >= 6
         # the actor's own backend: every request it saw was finished or aborted

@@ -29,7 +29,9 @@ from omni_trio.stages._torch_worker import import_torch
 from omni_trio.stages.batching import Pending, chunk_spans, context_window, decide_batch
 from omni_trio.stages.torch import TorchBackend, codes_of, parse_torch_options
 
-GUARD_S = 60  # hang guard only; no test asserts a duration
+from ..conftest import engine_seconds
+
+GUARD_S = engine_seconds(60)  # hang guard only; no test asserts a duration
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,8 @@ from omni_trio.stages._vllm_worker import EngineWorker
 from omni_trio.stages.vllm import THREAD_PREFIX, VllmBackend
 from omni_trio.testing import cancel_at_every_checkpoint
 
+from ..conftest import bounded, engine_seconds, kill_tree
+
 pytestmark = pytest.mark.vllm
 
 REFERENCE = Path(__file__).with_name("vllm_reference.py")
@@ -44,12 +46,14 @@ PROMPTS = ["hello tiny world", "the river and the moon sing a song"]
 # -- helpers ------------------------------------------------------------------------------
 async def reference(stages: list[dict[str, Any]], prompts: list[Any], max_tokens: int) -> Any:
     spec = {"stages": stages, "prompts": prompts, "max_tokens": max_tokens}
-    proc = await trio.run_process(
-        [sys.executable, str(REFERENCE), json.dumps(spec)],
-        capture_stdout=True,
-        capture_stderr=True,
-        check=False,
-    )
+    with bounded("the hand-driven reference run (a subprocess)", 300):
+        proc = await trio.run_process(
+            [sys.executable, str(REFERENCE), json.dumps(spec)],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            deliver_cancel=kill_tree,  # and the reference's own EngineCore
+        )
     for line in proc.stdout.decode().splitlines():
         if line.startswith("REFERENCE "):
             return json.loads(line.removeprefix("REFERENCE "))["results"]
@@ -142,7 +146,8 @@ async def test_backend_streams_greedy_tokens_aborts_and_cleans_up(
             ref_done.set()
 
         nursery.start_soon(get_reference)
-        await nursery.start(backend.serve)
+        with bounded("the engine's start", 180, backend):
+            await nursery.start(backend.serve)
         assert backend.alive and len(backend.core_pids) == 1
         assert "alive" in repr(backend) and str(backend.core_pids[0]) in repr(backend)
         core = psutil.Process(backend.core_pids[0])
@@ -150,7 +155,10 @@ async def test_backend_streams_greedy_tokens_aborts_and_cleans_up(
         assert shared  # vLLM's message queues and the executor's semaphore
 
         # text prompts: streamed deltas, last one finished with vLLM's reason and metrics
-        by_text = [await run(backend, f"t{i}", StageInput(prompt=p)) for i, p in enumerate(PROMPTS)]
+        with bounded("the text prompts' outputs", 120, backend):
+            by_text = [
+                await run(backend, f"t{i}", StageInput(prompt=p)) for i, p in enumerate(PROMPTS)
+            ]
         for outs in by_text:
             assert len(outs) > 1 and all(len(o.token_ids) >= 1 for o in outs)
             assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
@@ -160,42 +168,47 @@ async def test_backend_streams_greedy_tokens_aborts_and_cleans_up(
         first = tokens(by_text[0])
         # a slow consumer: the request stalls (its deltas merge in vLLM) and resumes, and
         # nothing is lost; a request nobody streams gets one output, the whole of it
-        slow = await run(backend, "slow", StageInput(prompt=PROMPTS[0]), slow=True)
+        with bounded("the slow consumer's and the unstreamed request's outputs", 120, backend):
+            slow = await run(backend, "slow", StageInput(prompt=PROMPTS[0]), slow=True)
+            whole = await run(backend, "whole", StageInput(prompt=PROMPTS[0]), streamed=False)
         assert tokens(slow) == first and max(len(o.token_ids) for o in slow) > 1
-        whole = await run(backend, "whole", StageInput(prompt=PROMPTS[0]), streamed=False)
         assert [tokens(whole), len(whole), whole[0].finished] == [first, 1, True]
         assert whole[0].metrics is not None
         # token-id and prompt-dict inputs continue the same greedy sequence
-        by_ids = await run(backend, "ids", StageInput(token_ids=tuple(first[:8])))
-        by_dict = await run(backend, "dict", StageInput(data={"prompt_token_ids": first[:8]}))
-        assert tokens(by_ids) == tokens(by_dict)
         # a vllm SamplingParams object is used as is (and forced to DELTA)
         from vllm.sampling_params import SamplingParams
 
-        by_obj = await run(backend, "obj", StageInput(prompt=PROMPTS[0]), SamplingParams(**GREEDY))
+        with bounded("the token-id, prompt-dict and SamplingParams requests", 120, backend):
+            by_ids = await run(backend, "ids", StageInput(token_ids=tuple(first[:8])))
+            by_dict = await run(backend, "dict", StageInput(data={"prompt_token_ids": first[:8]}))
+            params = SamplingParams(**GREEDY)
+            by_obj = await run(backend, "obj", StageInput(prompt=PROMPTS[0]), params)
+        assert tokens(by_ids) == tokens(by_dict)
         assert tokens(by_obj) == first and len(by_obj) > 1
 
         # bad sampling params fail that request only, typed, naming the key
-        with pytest.raises(InvalidRequestError, match="max_tokenz"):
-            await run(backend, "bad", StageInput(prompt="x"), {"max_tokenz": 3})
-        with pytest.raises(InvalidRequestError, match="temperature"):
-            await run(backend, "bad2", StageInput(prompt="x"), {"temperature": -1.0})
+        with bounded("the refusals of bad sampling params", 60, backend):
+            with pytest.raises(InvalidRequestError, match="max_tokenz"):
+                await run(backend, "bad", StageInput(prompt="x"), {"max_tokenz": 3})
+            with pytest.raises(InvalidRequestError, match="temperature"):
+                await run(backend, "bad2", StageInput(prompt="x"), {"temperature": -1.0})
 
         # cancelling the caller mid-stream aborts in the engine before run_request returns
         long = {**GREEDY, "max_tokens": 200}
         seen: list[StageOutput] = []
-        with trio.CancelScope() as cancel:
+        with bounded("'cancel-me', cancelled at its third output", 120, backend):
+            with trio.CancelScope() as cancel:
 
-            async def emit_then_cancel(o: StageOutput) -> None:
-                seen.append(o)
-                if len(seen) == 3:
-                    cancel.cancel()
+                async def emit_then_cancel(o: StageOutput) -> None:
+                    seen.append(o)
+                    if len(seen) == 3:
+                        cancel.cancel()
 
-            await backend.run_request(
-                "cancel-me", one_chunk(StageInput(prompt=PROMPTS[1])), long, emit_then_cancel
-            )
-        assert cancel.cancelled_caught and len(seen) >= 3
-        assert await backend.collective_rpc("get_num_unfinished_requests") == 0
+                await backend.run_request(
+                    "cancel-me", one_chunk(StageInput(prompt=PROMPTS[1])), long, emit_then_cancel
+                )
+            assert cancel.cancelled_caught and len(seen) >= 3
+            assert await backend.collective_rpc("get_num_unfinished_requests") == 0
         assert backend.requests_in_flight == 0
 
         # abort() returns the partial outputs, a prefix of the full greedy stream
@@ -214,23 +227,27 @@ async def test_backend_streams_greedy_tokens_aborts_and_cleans_up(
             except StageAborted as exc:
                 aborted.append(exc)
 
+        # a replica death fails doomed(), which fails the nursery: no wait outlives it
         nursery.start_soon(doomed)
-        await got_some.wait()
-        partial = await backend.abort("doomed")
+        with bounded("3 outputs of 'doomed', then its abort", 120, backend):
+            await got_some.wait()
+            partial = await backend.abort("doomed")
         assert aborted and len(partial) >= 3 and not partial[-1].finished
         assert tokens(partial) == first[: len(tokens(partial))]
-        assert await backend.collective_rpc("get_num_unfinished_requests") == 0
 
         # collective_rpc passes through to the engine's workers; control calls answer too
-        assert await backend.collective_rpc("engine_core_pids") == list(backend.core_pids)
-        assert await backend.collective_rpc("check_health") is None
-        ranks = await backend.collective_rpc("get_kv_connector_handshake_metadata")
+        with bounded("the control calls and collective_rpc", 60, backend):
+            assert await backend.collective_rpc("get_num_unfinished_requests") == 0
+            assert await backend.collective_rpc("engine_core_pids") == list(backend.core_pids)
+            assert await backend.collective_rpc("check_health") is None
+            ranks = await backend.collective_rpc("get_kv_connector_handshake_metadata")
         assert isinstance(ranks, list) and len(ranks) == 1  # one answer per worker rank
         stats = backend.statistics()
         assert stats.requests_in_flight == 0 and stats.requests_aborted == 2
         assert stats.requests_failed == 2 and stats.requests_finished >= 7
 
-        await ref_done.wait()  # the reference subprocess finishes in its own time
+        with bounded("the reference run", 300):
+            await ref_done.wait()  # the reference subprocess finishes in its own time
         nursery.cancel_scope.cancel()
 
     # same greedy tokens as the hand-driven AsyncLLM
@@ -265,9 +282,10 @@ async def test_killed_engine_core_fails_only_its_replica() -> None:
             await b0.serve(task_status=task_status)
             b0_returned.set()
 
-        async with trio.open_nursery() as starters:  # both engines start at once
-            starters.start_soon(nursery.start, serve0)
-            starters.start_soon(nursery.start, b1.serve)
+        with bounded("both engines' start", 240, b0, b1):
+            async with trio.open_nursery() as starters:  # both engines start at once
+                starters.start_soon(nursery.start, serve0)
+                starters.start_soon(nursery.start, b1.serve)
         assert b0.alive and b1.alive and b0.core_pids != b1.core_pids
         # per-engine CPU binding: each engine's model worker is pinned to its own core
         affinities = []
@@ -294,17 +312,19 @@ async def test_killed_engine_core_fails_only_its_replica() -> None:
         async def on_b1() -> None:
             survivor.extend(await run(b1, "survivor", StageInput(prompt="hi"), long))
 
-        async with trio.open_nursery() as reqs:
-            reqs.start_soon(on_b0)
-            reqs.start_soon(on_b1)
-        with trio.fail_after(60):
+        with bounded("'victim' killed with its EngineCore, and 'survivor' to its end", 180, b0, b1):
+            async with trio.open_nursery() as reqs:
+                reqs.start_soon(on_b0)
+                reqs.start_soon(on_b1)
+        with bounded("the dead replica's serve() to return", 60, b0):
             await b0_returned.wait()  # the dead replica's serve() returned by itself
         assert len(errors) == 1 and errors[0].replica == 0
         assert not b0.alive and "dead" in repr(b0)
         assert b1.alive and len(tokens(survivor)) == 200 and survivor[-1].finished
-        with pytest.raises(ReplicaDeadError):
-            await run(b0, "after", StageInput(prompt="hi"))
-        assert len(await run(b1, "after", StageInput(prompt="hi"))) > 1
+        with bounded("a request to each replica after the death", 60, b0, b1):
+            with pytest.raises(ReplicaDeadError):
+                await run(b0, "after", StageInput(prompt="hi"))
+            assert len(await run(b1, "after", StageInput(prompt="hi"))) > 1
         nursery.cancel_scope.cancel()
     assert leftover_engine_processes() == []
     assert our_threads() == []
@@ -325,14 +345,15 @@ def break_abort_of(backend: VllmBackend, request_id: str) -> None:
 
 
 async def run_held(
-    backend: VllmBackend, request_id: str, started: trio.Event, errors: list[BaseException]
+    backend: VllmBackend, request_id: str, settled: trio.Event, errors: list[BaseException]
 ) -> None:
     """A long request whose consumer takes its first output and no more, so it stays in
     flight until something else ends it; how it ended (aborted, or its replica's death)
-    goes to ``errors``."""
+    goes to ``errors``. ``settled`` is set at its first output, or when it ended without
+    one (its engine died): see :func:`wait_held`."""
 
     async def emit(o: StageOutput) -> None:
-        started.set()
+        settled.set()
         await trio.sleep_forever()
 
     long = {**GREEDY, "max_tokens": 400}
@@ -340,6 +361,19 @@ async def run_held(
         await backend.run_request(request_id, one_chunk(StageInput(prompt="hi")), long, emit)
     except (StageAborted, ReplicaDeadError) as exc:
         errors.append(exc)
+    finally:
+        settled.set()
+
+
+async def wait_held(
+    backend: VllmBackend, request_id: str, settled: trio.Event, errors: list[BaseException]
+) -> None:
+    """Wait (bounded) until the :func:`run_held` request is in flight, its first output
+    taken; fail at once, with its engine's error, if it ended before that."""
+    with bounded(f"the first output of {request_id!r}", 120, backend):
+        await settled.wait()
+    if errors:
+        raise AssertionError(f"{request_id!r} ended before its first output") from errors[0]
 
 
 async def test_a_request_vllm_could_not_drop_kills_the_replica_or_fails_its_stop() -> None:
@@ -362,34 +396,39 @@ async def test_a_request_vllm_could_not_drop_kills_the_replica_or_fails_its_stop
             except StageStopError as exc:
                 stop_errors.append(exc)
 
-        async with trio.open_nursery() as starters:  # both engines start at once
-            starters.start_soon(nursery.start, serve0)
-            starters.start_soon(nursery.start, serve1)
+        with bounded("both engines' start", 240, b0, b1):
+            async with trio.open_nursery() as starters:  # both engines start at once
+                starters.start_soon(nursery.start, serve0)
+                starters.start_soon(nursery.start, serve1)
         break_abort_of(b0, "doomed")
         break_abort_of(b1, "held")
 
         # 1. while serving: the request is aborted, vLLM cannot drop it, the replica dies of it
-        async def doomed() -> None:
-            first = trio.Event()
+        doomed_ended: list[BaseException] = []
+        first = trio.Event()
 
-            async def emit(o: StageOutput) -> None:
-                # a consumer that takes no more: the request cannot finish before its abort,
-                # however fast the engine
-                first.set()
-                await trio.sleep_forever()
+        async def abort_after_first() -> None:
+            await first.wait()
+            await b0.abort("doomed")
 
+        async def emit(o: StageOutput) -> None:
+            # a consumer that takes no more: the request cannot finish before its abort,
+            # however fast the engine
+            first.set()
+            await trio.sleep_forever()
+
+        with bounded("'doomed' to start, be aborted and end", 120, b0):
             async with trio.open_nursery() as pair:
-
-                async def abort_after_first() -> None:
-                    await first.wait()
-                    await b0.abort("doomed")
-
                 pair.start_soon(abort_after_first)
-                with pytest.raises((StageAborted, ReplicaDeadError)):
+                try:
                     await b0.run_request("doomed", one_chunk(StageInput(prompt="hi")), long, emit)
-
-        await doomed()
-        with trio.fail_after(60):
+                except (StageAborted, ReplicaDeadError) as exc:
+                    doomed_ended.append(exc)
+                # ended without a first output (its engine died first): no abort will come
+                pair.cancel_scope.cancel()
+        assert first.is_set(), f"'doomed' ended before its first output: {doomed_ended!r}"
+        assert doomed_ended, "'doomed' finished although it was aborted"
+        with bounded("the dead replica's serve() to return", 60, b0):
             await b0_returned.wait()  # the replica's serve() returned by itself
         death = b0.death
         assert isinstance(death, ReplicaDeadError) and not b0.alive
@@ -397,10 +436,10 @@ async def test_a_request_vllm_could_not_drop_kills_the_replica_or_fails_its_stop
         assert isinstance(death.__cause__, RuntimeError)
 
         # 2. while stopping: the request in flight cannot be dropped, the stop fails with it
-        held_started = trio.Event()
+        held_settled = trio.Event()
         held_errors: list[BaseException] = []
-        nursery.start_soon(run_held, b1, "held", held_started, held_errors)
-        await held_started.wait()
+        nursery.start_soon(run_held, b1, "held", held_settled, held_errors)
+        await wait_held(b1, "held", held_settled, held_errors)
         stop1.cancel()
     assert len(held_errors) == 1
     (stop_error,) = stop_errors
@@ -445,13 +484,14 @@ async def test_a_crash_of_the_worker_loop_kills_the_replica_caused_by_it(
             await backend.serve(task_status=task_status)  # a stop failure would raise here
             returned.set()
 
-        await nursery.start(serve)
-        first = trio.Event()
-        nursery.start_soon(run_held, backend, "r", first, failures)  # in flight when it breaks
-        await first.wait()
+        with bounded("the engine's start", 180, backend):
+            await nursery.start(serve)
+        settled = trio.Event()
+        nursery.start_soon(run_held, backend, "r", settled, failures)  # in flight when it breaks
+        await wait_held(backend, "r", settled, failures)
         ((loop, crash),) = triggers
         loop.call_soon_threadsafe(crash.set)
-        with trio.fail_after(60):
+        with bounded("the crashed replica's serve() to return", 60, backend):
             await returned.wait()  # the replica's serve() returned by itself
     death = backend.death
     assert isinstance(death, ReplicaDeadError) and not backend.alive
@@ -508,21 +548,24 @@ async def test_a_killed_engine_core_fails_only_its_requests_and_is_restarted() -
                             all_streaming.set()
             except ReplicaDeadError as exc:
                 results[rid] = exc
+                if rid not in streaming:  # no wait below would end: fail now, with why
+                    raise AssertionError(f"{rid!r} failed before its first output") from exc
             else:
                 results[rid] = "ok"
 
-        async with trio.open_nursery() as nursery:
-            for i in range(4):
-                nursery.start_soon(one, f"r{i}")
-            await all_streaming.wait()
-            bound = {rid: pool.replica_of(rid) for rid in streaming}
-            victims = {rid for rid, b in bound.items() if b is not None and b.replica == 0}
-            assert len(victims) == 2  # least_loaded spread them 2 + 2
-            os.kill(pool.replica(0).core_pids[0], signal.SIGKILL)
+        with bounded("4 requests streaming, then the 2 on the killed replica failing", 180, engine):
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(one, f"r{i}")
+                await all_streaming.wait()
+                bound = {rid: pool.replica_of(rid) for rid in streaming}
+                victims = {rid for rid, b in bound.items() if b is not None and b.replica == 0}
+                assert len(victims) == 2  # least_loaded spread them 2 + 2
+                os.kill(pool.replica(0).core_pids[0], signal.SIGKILL)
         failed = {rid for rid, r in results.items() if r != "ok"}
         assert failed == victims
         assert all(getattr(results[rid], "replica", None) == 0 for rid in failed)
-        with trio.fail_after(180):
+        with bounded("the killed replica's restart", 180, engine):
             await pool.wait_settled()
         stats = pool.statistics()
         assert [r.state for r in stats.replicas] == ["ready", "ready"]
@@ -533,14 +576,15 @@ async def test_a_killed_engine_core_fails_only_its_requests_and_is_restarted() -
         # later requests use both replicas again
         before = [r.requests_finished for r in stats.replicas]
         short = {"thinker": {**GREEDY, "max_tokens": 8}}
-        async with trio.open_nursery() as nursery:
-            for i in range(4):
-                nursery.start_soon(
-                    lambda rid: engine.generate(
-                        "hi", request_id=rid, sampling_params=short
-                    ).collect(),
-                    f"later{i}",
-                )
+        with bounded("4 requests after the restart", 120, engine):
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(
+                        lambda rid: engine.generate(
+                            "hi", request_id=rid, sampling_params=short
+                        ).collect(),
+                        f"later{i}",
+                    )
         after = [r.requests_finished for r in pool.statistics().replicas]
         assert after[0] > before[0] and after[1] > before[1]
         assert engine.statistics().stage_requests_in_flight == 0
@@ -587,46 +631,51 @@ async def test_open_engine_one_and_two_stage_pipelines_match_hand_driven() -> No
         slow: list[int] = []
         cut: list[int] = []
         async with omni_trio.open_engine(config) as engine:
-            for i, prompt in enumerate(PROMPTS):
-                async with engine.generate(prompt, request_id=f"chain-{i}") as stream:
-                    async for out in stream:
-                        got.setdefault((i, out.stage_id), []).extend(out.token_ids)
-                # the one-stage pipeline: stop after the thinker
-                toks: list[int] = []
-                async for out in engine.generate(
-                    prompt, request_id=f"one-{i}", final_stage_id="thinker"
-                ):
-                    assert out.stage_id == "thinker"
-                    toks.extend(out.token_ids)
-                one_stage.append(toks)
+            with bounded("the two-stage and one-stage outputs of each prompt", 180, engine):
+                for i, prompt in enumerate(PROMPTS):
+                    async with engine.generate(prompt, request_id=f"chain-{i}") as stream:
+                        async for out in stream:
+                            got.setdefault((i, out.stage_id), []).extend(out.token_ids)
+                    # the one-stage pipeline: stop after the thinker
+                    toks: list[int] = []
+                    async for out in engine.generate(
+                        prompt, request_id=f"one-{i}", final_stage_id="thinker"
+                    ):
+                        assert out.stage_id == "thinker"
+                        toks.extend(out.token_ids)
+                    one_stage.append(toks)
             # leaving a stream early aborts the request in every stage
-            async with engine.generate(PROMPTS[0], request_id="early") as stream:
-                async for _out in stream:
-                    break
-            unfinished = await engine.collective_rpc("get_num_unfinished_requests")
+            with bounded("a stream left at its first output, and its abort", 60, engine):
+                async with engine.generate(PROMPTS[0], request_id="early") as stream:
+                    async for _out in stream:
+                        break
+                unfinished = await engine.collective_rpc("get_num_unfinished_requests")
             assert unfinished == [0, 0]
             assert engine.statistics().stage_requests_in_flight == 0
 
             # a consumer slower than the engine (its window fills: outputs wait in the
             # request's task, then vLLM's collector) gets the same tokens, in order
-            async for out in engine.generate(
-                PROMPTS[0], request_id="slow", final_stage_id="thinker"
-            ):
-                slow.extend(out.token_ids)
-                await trio.sleep(0.02)
+            with bounded("the slow consumer's outputs", 120, engine):
+                async for out in engine.generate(
+                    PROMPTS[0], request_id="slow", final_stage_id="thinker"
+                ):
+                    slow.extend(out.token_ids)
+                    await trio.sleep(0.02)
             # aborted mid-stream: the consumer got exactly what abort() returns, then an
             # abort terminal; nothing is left in the engine
             long = {"thinker": {**GREEDY, "max_tokens": 200}}
-            async with engine.generate(
-                PROMPTS[0], request_id="cut", final_stage_id="thinker", sampling_params=long
-            ) as stream:
-                seen = [await stream.receive() for _ in range(3)]
-                partial = await engine.abort("cut")
-                rest = [out async for out in stream]
+            with bounded("3 outputs of 'cut', its abort and its terminal", 120, engine):
+                async with engine.generate(
+                    PROMPTS[0], request_id="cut", final_stage_id="thinker", sampling_params=long
+                ) as stream:
+                    seen = [await stream.receive() for _ in range(3)]
+                    partial = await engine.abort("cut")
+                    rest = [out async for out in stream]
+                unfinished = await engine.collective_rpc("get_num_unfinished_requests")
             assert rest[-1].aborted and len(partial) >= 3
             assert [o.token_ids for o in seen + rest[:-1]] == [o.token_ids for o in partial]
             cut = [t for o in partial for t in o.token_ids]
-            assert await engine.collective_rpc("get_num_unfinished_requests") == [0, 0]
+            assert unfinished == [0, 0]
 
             # a consumer cancelled at each of its checkpoints (while its request is being
             # submitted to a worker, aborted before the worker ran it, streaming, or being
@@ -639,10 +688,14 @@ async def test_open_engine_one_and_two_stage_pipelines_match_hand_driven() -> No
                     async for _out in stream:
                         pass
 
-            report = await cancel_at_every_checkpoint(engine, consumer)
+            with bounded("a consumer cancelled at each of its checkpoints", 400, engine):
+                report = await cancel_at_every_checkpoint(
+                    engine, consumer, run_timeout=engine_seconds(60)
+                )
+                unfinished = await engine.collective_rpc("get_num_unfinished_requests")
             report.raise_if_failed()
             assert report.runs == report.checkpoints + 1 >= 6
-            assert await engine.collective_rpc("get_num_unfinished_requests") == [0, 0]
+            assert unfinished == [0, 0]
     assert leftover_engine_processes() == []
     assert our_threads() == []
     for i in range(len(PROMPTS)):
@@ -689,22 +742,23 @@ async def test_per_request_options_reach_vllm() -> None:
                     if out.finished:
                         finished[out.request_id] = out
 
-        async with trio.open_nursery() as nursery:
-            blocker = engine.generate(PROMPTS[1], "blocker", long, priority=-10)
-            nursery.start_soon(consume, blocker)
-            await blocker_runs.wait()  # everything after it waits in vLLM
-            for rid, priority, options in [
-                ("low", 5, {"arrival_time": arrival}),
-                ("high", -3, {"tokenization_kwargs": {"truncate_prompt_tokens": 2}}),
-                ("mid", 1, {"trace_headers": {"traceparent": f"00-{'1' * 32}-{'2' * 16}-01"}}),
-            ]:
-                nursery.start_soon(
-                    consume, engine.generate(PROMPTS[1], rid, priority=priority, **options)
-                )
-            # a LoRA reaches vLLM, which refuses it: this engine has no LoRA enabled
-            with pytest.raises(InvalidRequestError, match="LoRA is not enabled"):
-                lora = LoRARequest("adapter", 1, "/nonexistent/adapter")
-                await engine.generate("x", "lora", lora_request=lora).collect()
+        with bounded("the blocker, the 3 requests behind it and the LoRA refusal", 180, engine):
+            async with trio.open_nursery() as nursery:
+                blocker = engine.generate(PROMPTS[1], "blocker", long, priority=-10)
+                nursery.start_soon(consume, blocker)
+                await blocker_runs.wait()  # everything after it waits in vLLM
+                for rid, priority, options in [
+                    ("low", 5, {"arrival_time": arrival}),
+                    ("high", -3, {"tokenization_kwargs": {"truncate_prompt_tokens": 2}}),
+                    ("mid", 1, {"trace_headers": {"traceparent": f"00-{'1' * 32}-{'2' * 16}-01"}}),
+                ]:
+                    nursery.start_soon(
+                        consume, engine.generate(PROMPTS[1], rid, priority=priority, **options)
+                    )
+                # a LoRA reaches vLLM, which refuses it: this engine has no LoRA enabled
+                with pytest.raises(InvalidRequestError, match="LoRA is not enabled"):
+                    lora = LoRARequest("adapter", 1, "/nonexistent/adapter")
+                    await engine.generate("x", "lora", lora_request=lora).collect()
         # arrival order was low, high, mid: vLLM ran them by priority
         assert started == ["blocker", "high", "mid", "low"]
         assert finished["low"].metrics is not None
@@ -744,27 +798,30 @@ async def test_streaming_input_reaches_vllm_as_it_comes() -> None:
     }
     async with omni_trio.open_engine(config) as engine:
         # a streaming-input request: its first output comes while its input is still open
-        async with engine.generate(
-            "hello", final_stage_id="thinker", streaming_input=True
-        ) as stream:
-            first = await stream.receive()
-            assert first.stage_id == "thinker" and first.token_ids and not first.finished
-            await stream.send_input(" tiny world")
-            await stream.end_input()
-            rest = [out async for out in stream]
+        with bounded("the streaming-input request's outputs", 120, engine):
+            async with engine.generate(
+                "hello", final_stage_id="thinker", streaming_input=True
+            ) as stream:
+                first = await stream.receive()
+                assert first.stage_id == "thinker" and first.token_ids and not first.finished
+                await stream.send_input(" tiny world")
+                await stream.end_input()
+                rest = [out async for out in stream]
         assert rest[-1].finished
         # vLLM's resumable request: up to max_tokens new tokens per segment
         assert len(tokens([first, *rest])) == 8
         # a stream_input talker starts on the thinker's first deltas, not on its end
         order: list[tuple[str, bool]] = []
         long = {"thinker": {**GREEDY, "max_tokens": 48}}
-        async with engine.generate("the river", sampling_params=long) as stream:
-            async for out in stream:
-                order.append((out.stage_id, out.finished))
+        with bounded("the stream_input talker's outputs", 120, engine):
+            async with engine.generate("the river", sampling_params=long) as stream:
+                async for out in stream:
+                    order.append((out.stage_id, out.finished))
+            unfinished = await engine.collective_rpc("get_num_unfinished_requests")
         first_talker = order.index(("talker", False))
         assert first_talker < order.index(("thinker", True))
         assert order[-1] == ("talker", True)
-        assert await engine.collective_rpc("get_num_unfinished_requests") == [0, 0]
+        assert unfinished == [0, 0]
         assert engine.statistics().stage_requests_in_flight == 0
     assert leftover_engine_processes() == []
     assert our_threads() == []

@@ -9,6 +9,8 @@ import pytest
 
 from omni_trio.stages._vllm_plugin import QUICK_EXIT_ENV, quick_exit_enabled, register
 
+from ..conftest import engine_seconds
+
 
 def test_registered_as_a_vllm_general_plugin() -> None:
     plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
@@ -30,11 +32,12 @@ def test_acts_only_in_spawned_processes_that_opt_in(monkeypatch: pytest.MonkeyPa
     ctx = multiprocessing.get_context("spawn")
     monkeypatch.setenv(QUICK_EXIT_ENV, "1")
     assert not quick_exit_enabled()  # the process that starts engines is left alone
+    # a pool that does not answer in time raises TimeoutError; leaving it kills its process
     with ctx.Pool(1) as pool:
-        assert pool.apply(_enabled) is True
+        assert pool.apply_async(_enabled).get(engine_seconds(60)) is True
     monkeypatch.setenv(QUICK_EXIT_ENV, "0")
     with ctx.Pool(1) as pool:
-        assert pool.apply(_enabled) is False
+        assert pool.apply_async(_enabled).get(engine_seconds(60)) is False
 
 
 @pytest.mark.slow  # a spawned process
@@ -42,5 +45,9 @@ def test_a_quick_exit_keeps_the_exit_code(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv(QUICK_EXIT_ENV, "1")
     proc = multiprocessing.get_context("spawn").Process(target=_child_exits_with, args=(3,))
     proc.start()
-    proc.join(60)
+    proc.join(engine_seconds(60))
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        raise AssertionError(f"the spawned process did not exit in {engine_seconds(60):g} s")
     assert proc.exitcode == 3
