@@ -142,14 +142,16 @@ class EngineJSONResponse:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         result: Computed | None = None
+        failed = False  # an error body is JSON even where the answer would be raw bytes
 
         async def work() -> None:
-            nonlocal result
+            nonlocal result, failed
             try:
                 result = await self._compute()
             except OmniTrioError as exc:
                 status, body = error_for(exc)
                 result = (status, body, None)
+                failed = True
 
         watch = _Watch(scope, receive, self._lifecycle)
         await watch.run(work)
@@ -158,7 +160,7 @@ class EngineJSONResponse:
                 await send_json(send, 503, shutdown_error())
             return  # else the client went away: nobody to answer
         status, body, headers = result
-        if self._raw:
+        if self._raw and not failed:
             await send({"type": "http.response.start", "status": status, "headers": headers or []})
             await send({"type": "http.response.body", "body": body, "more_body": False})
         else:

@@ -167,6 +167,32 @@ async def test_bad_requests_get_400_with_an_openai_error_body():
         assert r.status_code == 200
 
 
+async def test_a_speech_request_the_engine_fails_is_a_json_error_not_a_cut_connection():
+    # the speech answer is raw WAV bytes; an error is still an OpenAI JSON error body
+    cfg = {
+        "name": "speak",
+        "stages": [
+            {
+                "id": "voice",
+                "backend": "scripted",
+                "options": {"outputs": 4, "fail_at_output": 2},
+                "final_output": True,
+                "output_type": "audio",
+            }
+        ],
+    }
+    async with running_server(cfg) as (engine, base), client_for(base) as http:
+        r = await http.post("/v1/audio/speech", json={"model": "speak", "input": "hello"})
+        assert r.status_code == 500, r.text
+        assert r.headers["content-type"].startswith("application/json")
+        err = r.json()["error"]
+        assert "voice" in err["message"]
+        assert engine.statistics().requests_failed == 1
+        # the server still answers
+        r = await http.get("/health")
+        assert r.status_code == 200
+
+
 async def test_overload_is_429_and_the_openai_client_sees_a_rate_limit_error():
     cfg = scripted_pipeline(
         ["thinker"],
