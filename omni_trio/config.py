@@ -34,7 +34,14 @@ from ._config_check import check_vllm_stages
 from ._config_check import validate as validate
 from ._config_pipeline import Admission as Admission
 from ._config_pipeline import PipelineConfig, config_schema, topological_order
-from ._config_read import Value, check_tree, explain_validation_error, json_object, read_config_file
+from ._config_read import (
+    Value,
+    check_tree,
+    explain_validation_error,
+    json_object,
+    prechecked,
+    read_config_file,
+)
 from ._config_stage import (
     BUILTIN_BACKENDS,
     MAX_REPLICAS,
@@ -192,7 +199,8 @@ def load_config(
         ]
     data.pop("source", None)
     try:
-        cfg = msgspec.convert(data, PipelineConfig)
+        with prechecked():  # the conversion checks every field: no second check
+            cfg = msgspec.convert(data, PipelineConfig)
     except msgspec.ValidationError as exc:
         reason, where = explain_validation_error(exc, data, PipelineConfig)
         hint = _BOUND_HINTS.get(where.rpartition(".")[2], "")
