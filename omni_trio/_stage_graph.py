@@ -26,6 +26,13 @@ def some_ids(ids: Sequence[str]) -> str:
     return f"stages are {few_ids(ids)}"
 
 
+def _arrows(cycle: list[str]) -> str:
+    # a cycle through thousands of stages: its ends, and how many it has
+    if len(cycle) <= 12:
+        return " -> ".join(cycle)
+    return f"{' -> '.join(cycle[:5])} -> ... -> {' -> '.join(cycle[-5:])} ({len(cycle) - 1} stages)"
+
+
 class StageGraph:
     """The stage graph of one config: index maps, downstream lists, topological order.
 
@@ -64,7 +71,7 @@ class StageGraph:
         if len(order) < len(self.ids):
             cycle = self._cycle(waiting)
             raise ConfigError(
-                f"the stage graph has a cycle: {' -> '.join(cycle)}",
+                f"the stage graph has a cycle: {_arrows(cycle)}",
                 path=f"$.stages[{self.index[cycle[0]]}].inputs",
                 source=source,
             )

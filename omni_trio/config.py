@@ -55,6 +55,7 @@ from ._config_stage import MAX_SLOTS as MAX_SLOTS
 from ._config_stage import LbPolicy as LbPolicy
 from ._config_stage import OutputType as OutputType
 from ._config_stage import RestartPolicy as RestartPolicy
+from ._stage_graph import some_ids
 from .errors import ConfigError
 
 __all__ = [
@@ -188,8 +189,8 @@ def load_config(
         for sid in parsed:
             if sid not in known:
                 raise ConfigError(
-                    f"stage_overrides names unknown stage {sid!r}; stages are "
-                    f"{sorted(str(k) for k in known)}",
+                    f"stage_overrides names unknown stage {sid!r}; "
+                    f"{some_ids([str(s.get('id')) for s in stages if isinstance(s, Mapping)])}",
                     path=f"$.stage_overrides.{sid}",
                     source=source,
                 )

@@ -174,3 +174,21 @@ def test_a_config_built_in_python_holds_checked_values(tmp_path):
     for bad in ({"id": 3}, {"id": "a", "inputs": "b"}, {"id": "a", "placement": {"ray": 1}}):
         with pytest.raises(ConfigError, match=r"^<StageConfig>: \$\.(id|inputs|placement\.ray): "):
             StageConfig(**bad)
+
+
+def test_errors_about_a_20000_stage_pipeline_stay_short():
+    n = 20_000
+    ring = [{"id": f"s{i}", "inputs": [f"s{(i - 1) % n}"]} for i in range(n)]
+    entry = {"id": "e", "final_output": True}
+    with pytest.raises(ConfigError) as caught:
+        load_config({"stages": [entry, *ring]})
+    reason = caught.value.reason
+    assert reason.startswith("the stage graph has a cycle: s0 -> s19999 -> s19998 -> ")
+    assert reason.endswith(" -> s2 -> s1 -> s0 (20000 stages)") and len(reason) < 200
+    chain = [{"id": f"s{i}", "inputs": [f"s{i - 1}"] if i else []} for i in range(n)]
+    chain[-1]["final_output"] = True
+    with pytest.raises(ConfigError) as caught:
+        load_config({"stages": chain}, stage_overrides={"x": {"replicas": 2}})
+    assert caught.value.reason.endswith("'s9'] ... (20000 in all)") and caught.value.path == (
+        "$.stage_overrides.x"
+    )
