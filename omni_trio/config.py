@@ -1,9 +1,12 @@
 """Pipeline configuration: loading a config, with overrides, into a checked ``PipelineConfig``.
 
-A config comes from a YAML, TOML or JSON file, a dict, or is built directly. Loading checks
+A config comes from a YAML, TOML or JSON file, a dict, or is built directly (then each
+struct's keys, types and ranges are checked when it is built: ``PipelineConfig(stages="x")``
+raises :class:`~omni_trio.errors.ConfigError` naming ``$.stages``). Loading checks
 everything that can be known without starting an engine: unknown keys, types and ranges,
 the stage graph, every backend's ``options`` (:mod:`omni_trio.stages.options`), the dotted
-paths it names (imported), torch weights files, and vllm ``engine_args`` and
+paths it names (imported; a backend path must name a backend factory), torch weights
+files, and vllm ``engine_args`` and
 ``default_sampling_params`` when vllm is installed. Every error is a
 :class:`~omni_trio.errors.ConfigError` naming the file and the JSON path of the offending
 value, e.g. ``tiny.yaml: $.stages[1].inputs[0]: unknown input stage 'x'``.
