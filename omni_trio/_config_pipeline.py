@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from ._config_read import Value
+from ._config_read import Value, check_struct
 from ._config_stage import MAX_SLOTS, LbPolicy, StageConfig, Timeout, doc
 from ._stage_graph import StageGraph
 
@@ -72,6 +72,9 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, d
         ),
     ] = 64
     source: str | None = None
+
+    def __post_init__(self) -> None:
+        check_struct(self)  # built in Python: checked as a loaded file is
 
     # -- graph helpers (O(1) or linear; computed once, see the module docstring) ---------
     def graph(self) -> StageGraph:

@@ -16,6 +16,8 @@ import math
 import re
 import tomllib
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -31,9 +33,11 @@ Value: TypeAlias = Any
 __all__ = [
     "MAX_DEPTH",
     "MAX_NODES",
+    "check_struct",
     "check_tree",
     "explain_validation_error",
     "json_object",
+    "prechecked",
     "read_config_file",
     "with_value",
 ]
@@ -351,3 +355,41 @@ def with_value(reason: str, value: Value) -> str:
     """msgspec's reason with the offending value: ``Expected `int`, got str 'lots'``. Pure."""
     reason = re.sub(r", got `[^`]*`$", "", reason)
     return f"{reason}, got {type(value).__name__} {value!r}"
+
+
+# set while msgspec converts data it checks itself (load_config, and check_struct's copy):
+# the structs it builds need no second check
+_PRECHECKED: ContextVar[bool] = ContextVar("omni_trio_config_prechecked", default=False)
+
+
+@contextmanager
+def prechecked() -> Iterator[None]:
+    """Within it, config structs built (by a ``msgspec.convert`` that checks every field
+    itself) skip :func:`check_struct`. Synchronous."""
+    token = _PRECHECKED.set(True)
+    try:
+        yield
+    finally:
+        _PRECHECKED.reset(token)
+
+
+def check_struct(obj: msgspec.Struct) -> None:
+    """Check a config struct built in Python (``PipelineConfig(stages="nope")``) as loading
+    checks a file: every field converted with the struct's own types and bounds, plain data
+    where a struct is expected (a stage given as a dict) converted to it, and the converted
+    values kept. For a struct's ``__post_init__``; pure but for setting ``obj``'s fields.
+    Raises :class:`ConfigError` naming the field (``<PipelineConfig>: $.stages: Expected
+    `array`, got str 'nope'``)."""
+    if _PRECHECKED.get():
+        return
+    cls = type(obj)
+    data = msgspec.structs.asdict(obj)
+    try:
+        with prechecked():
+            converted = msgspec.convert(data, cls)
+    except msgspec.ValidationError as exc:
+        reason, where = explain_validation_error(exc, data, cls)
+        source = getattr(obj, "source", None) or f"<{cls.__name__}>"
+        raise ConfigError(reason, path=where, source=source) from None
+    for name in cls.__struct_fields__:
+        setattr(obj, name, getattr(converted, name))

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from ._config_read import Value
+from ._config_read import Value, check_struct
 from ._dotted import DOTTED_PATTERN
 
 __all__ = [
@@ -78,11 +78,17 @@ class RayPlacement(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         dict[str, Value], doc("the actors' Ray runtime_env (pip, env_vars, working_dir ...)")
     ] = {}
 
+    def __post_init__(self) -> None:
+        check_struct(self)  # built in Python: checked as a loaded file is
+
 
 class Placement(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Where a stage's replicas run instead of this process."""
 
     ray: Annotated[RayPlacement | None, doc("as Ray actors")] = None
+
+    def __post_init__(self) -> None:
+        check_struct(self)  # built in Python: checked as a loaded file is
 
 
 #: the placements a stage may name (the keys of ``placement``)
@@ -200,3 +206,6 @@ class StageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         Placement | None,
         doc("where the replicas run (ray: as Ray actors); default: in this process"),
     ] = None
+
+    def __post_init__(self) -> None:
+        check_struct(self)  # built in Python: checked as a loaded file is

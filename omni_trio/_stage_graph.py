@@ -8,16 +8,29 @@ second. Raises :class:`~omni_trio.errors.ConfigError` for an unknown input or a 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable, Sequence
 
 from .errors import ConfigError
 
-__all__ = ["StageGraph", "some_ids"]
+__all__ = ["StageGraph", "few_ids", "some_ids"]
 
 
-def some_ids(ids: list[str]) -> str:
-    """``stages are [...]`` for an error message, cut short for big pipelines. Pure."""
+def few_ids(ids: Sequence[str]) -> str:
+    """``[...]`` of stage ids for an error message, cut short for big pipelines. Pure."""
     more = f" ... ({len(ids)} in all)" if len(ids) > 10 else ""
-    return f"stages are {ids[:10]}{more}"
+    return f"{list(ids[:10])}{more}"
+
+
+def some_ids(ids: Sequence[str]) -> str:
+    """``stages are [...]`` for an error message, cut short for big pipelines. Pure."""
+    return f"stages are {few_ids(ids)}"
+
+
+def _arrows(cycle: list[str]) -> str:
+    # a cycle through thousands of stages: its ends, and how many it has
+    if len(cycle) <= 12:
+        return " -> ".join(cycle)
+    return f"{' -> '.join(cycle[:5])} -> ... -> {' -> '.join(cycle[-5:])} ({len(cycle) - 1} stages)"
 
 
 class StageGraph:
@@ -58,7 +71,7 @@ class StageGraph:
         if len(order) < len(self.ids):
             cycle = self._cycle(waiting)
             raise ConfigError(
-                f"the stage graph has a cycle: {' -> '.join(cycle)}",
+                f"the stage graph has a cycle: {_arrows(cycle)}",
                 path=f"$.stages[{self.index[cycle[0]]}].inputs",
                 source=source,
             )
@@ -74,6 +87,18 @@ class StageGraph:
             path.append(at)
             at = next(self.index[u] for u in self._inputs[at] if waiting[self.index[u]] > 0)
         return [self.ids[i] for i in path[pos[at] :]] + [self.ids[at]]
+
+    def closure(self, stage_ids: Iterable[str]) -> set[str]:
+        """``stage_ids`` and every stage they depend on, transitively: one walk, linear in
+        the stages and edges it reaches (not one ancestor set per stage)."""
+        seen: set[str] = set()
+        todo = list(stage_ids)
+        while todo:
+            sid = todo.pop()
+            if sid not in seen:
+                seen.add(sid)
+                todo.extend(self._inputs[self.index[sid]])
+        return seen
 
     def ancestors(self, stage_id: str) -> frozenset[str]:
         """Every stage ``stage_id`` depends on, transitively (cached per stage)."""

@@ -131,7 +131,7 @@ async def _route(
     item = record(req, sid, out)
     if observers:
         observers.emit("stage_output", req.request_id, sid, first)
-    if sid in req.plan.outputs:
+    if sid in req.plan.output_set:
         # the routing loop checkpoints on every output it takes from the outbox: pass
         # this one on without another trip through the scheduler unless the window is full
         await deliver(req, item)

@@ -1,9 +1,12 @@
 """Pipeline configuration: loading a config, with overrides, into a checked ``PipelineConfig``.
 
-A config comes from a YAML, TOML or JSON file, a dict, or is built directly. Loading checks
+A config comes from a YAML, TOML or JSON file, a dict, or is built directly (then each
+struct's keys, types and ranges are checked when it is built: ``PipelineConfig(stages="x")``
+raises :class:`~omni_trio.errors.ConfigError` naming ``$.stages``). Loading checks
 everything that can be known without starting an engine: unknown keys, types and ranges,
 the stage graph, every backend's ``options`` (:mod:`omni_trio.stages.options`), the dotted
-paths it names (imported), torch weights files, and vllm ``engine_args`` and
+paths it names (imported; a backend path must name a backend factory), torch weights
+files, and vllm ``engine_args`` and
 ``default_sampling_params`` when vllm is installed. Every error is a
 :class:`~omni_trio.errors.ConfigError` naming the file and the JSON path of the offending
 value, e.g. ``tiny.yaml: $.stages[1].inputs[0]: unknown input stage 'x'``.
@@ -34,7 +37,14 @@ from ._config_check import check_vllm_stages
 from ._config_check import validate as validate
 from ._config_pipeline import Admission as Admission
 from ._config_pipeline import PipelineConfig, config_schema, topological_order
-from ._config_read import Value, check_tree, explain_validation_error, json_object, read_config_file
+from ._config_read import (
+    Value,
+    check_tree,
+    explain_validation_error,
+    json_object,
+    prechecked,
+    read_config_file,
+)
 from ._config_stage import (
     BUILTIN_BACKENDS,
     MAX_REPLICAS,
@@ -48,6 +58,7 @@ from ._config_stage import MAX_SLOTS as MAX_SLOTS
 from ._config_stage import LbPolicy as LbPolicy
 from ._config_stage import OutputType as OutputType
 from ._config_stage import RestartPolicy as RestartPolicy
+from ._stage_graph import some_ids
 from .errors import ConfigError
 
 __all__ = [
@@ -181,8 +192,8 @@ def load_config(
         for sid in parsed:
             if sid not in known:
                 raise ConfigError(
-                    f"stage_overrides names unknown stage {sid!r}; stages are "
-                    f"{sorted(str(k) for k in known)}",
+                    f"stage_overrides names unknown stage {sid!r}; "
+                    f"{some_ids([str(s.get('id')) for s in stages if isinstance(s, Mapping)])}",
                     path=f"$.stage_overrides.{sid}",
                     source=source,
                 )
@@ -192,7 +203,8 @@ def load_config(
         ]
     data.pop("source", None)
     try:
-        cfg = msgspec.convert(data, PipelineConfig)
+        with prechecked():  # the conversion checks every field: no second check
+            cfg = msgspec.convert(data, PipelineConfig)
     except msgspec.ValidationError as exc:
         reason, where = explain_validation_error(exc, data, PipelineConfig)
         hint = _BOUND_HINTS.get(where.rpartition(".")[2], "")

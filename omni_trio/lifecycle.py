@@ -27,6 +27,10 @@ __all__ = ["ContractViolation", "RequestLifecycle", "RequestStatus"]
 
 RequestStatus = Literal["admitted", "running", "finished", "aborted", "failed"]
 _TERMINAL: frozenset[str] = frozenset({"finished", "aborted", "failed"})
+#: finished stages kept as a tuple up to this many (no set per request in the usual
+#: pipelines of a few stages), then as a set (a request through thousands of stages stays
+#: linear)
+_FEW = 8
 
 
 class ContractViolation(Exception):
@@ -41,7 +45,7 @@ class RequestLifecycle:
     def __init__(self, request_id: str, output_stages: Iterable[str]) -> None:
         self.request_id = request_id
         self._outputs = tuple(output_stages)
-        self._finished: tuple[str, ...] = ()  # a handful of stages: no set per request
+        self._finished: tuple[str, ...] | set[str] = ()  # see _FEW
         self._errors: tuple[BaseException, ...] = ()  # rare: no list per request
         self._status: RequestStatus = "admitted"
         #: an abort (or the engine's close) was requested; the request may still finish
@@ -56,13 +60,19 @@ class RequestLifecycle:
 
     def stage_output(self, stage_id: str, finished: bool) -> None:
         """A stage produced an output. Raises ContractViolation if that stage had finished."""
-        if stage_id in self._finished:
+        done = self._finished
+        if stage_id in done:
             raise ContractViolation(
                 f"stage {stage_id!r} produced an output for request {self.request_id!r} "
                 f"after its finished output"
             )
         if finished:
-            self._finished = (*self._finished, stage_id)
+            if isinstance(done, set):
+                done.add(stage_id)
+            elif len(done) < _FEW:
+                self._finished = (*done, stage_id)
+            else:
+                self._finished = {*done, stage_id}
 
     def request_abort(self) -> bool:
         """Note an abort request. False if the request had already ended (nothing to do)."""

@@ -5,11 +5,12 @@ Pure functions of the pipeline config and the request's arguments; no I/O, no ch
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
-from .config import PipelineConfig, topological_order
+from ._stage_graph import few_ids, some_ids
+from .config import PipelineConfig
 from .errors import InvalidRequestError
 from .outputs import SamplingParams, StageInput
 from .stageinfo import modality_stages
@@ -30,10 +31,16 @@ StagePath = Literal["pulled", "collected", "routed"]
 
 @dataclass(frozen=True, slots=True)
 class RequestPlan:
-    """Which stages a request runs on (graph order) and which of them the caller receives."""
+    """Which stages a request runs on (graph order) and which of them the caller receives.
+    ``output_set`` is ``outputs`` as a set (a membership test per output stays O(1) when a
+    route has thousands of output stages)."""
 
     active: tuple[str, ...]
     outputs: tuple[str, ...]
+    output_set: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "output_set", frozenset(self.outputs))
 
 
 def stage_path(*, output: bool, feeds: int, streamed: bool, observed: bool) -> StagePath:
@@ -90,10 +97,11 @@ def stage_ref(cfg: PipelineConfig, ref: str | int, what: str) -> str:
         raise InvalidRequestError(
             f"{what} {ref} is not a stage index (the pipeline has {len(cfg.stages)} stages)"
         )
-    if isinstance(ref, str) and ref in cfg.stage_ids:
+    graph = cfg.graph()
+    if isinstance(ref, str) and ref in graph.index:
         return ref
     raise InvalidRequestError(
-        f"{what} {ref!r} is not a stage of the pipeline; stages are {cfg.stage_ids}"
+        f"{what} {ref!r} is not a stage of the pipeline; {some_ids(graph.ids)}"
     )
 
 
@@ -112,11 +120,13 @@ def plan_request(
     ``output_stages``). Either way only the output stages and what they depend on run: the
     route ends after the last output stage (a text-only answer never runs the talker).
     """
-    allowed = set(cfg.stage_ids)
+    # linear in the stages and edges: a request's route is planned at once at any size
+    graph = cfg.graph()
+    allowed: Collection[str] = graph.index
     final: str | None = None
     if final_stage_id is not None:
         final = stage_ref(cfg, final_stage_id, "final_stage_id")
-        allowed = cfg.ancestors(final) | {final}
+        allowed = graph.closure((final,))
     if output_modalities is not None:
         if output_stages is not None:
             raise InvalidRequestError(
@@ -131,24 +141,21 @@ def plan_request(
     else:
         if isinstance(output_stages, (str, int)):
             output_stages = [output_stages]
-        outs = []
+        chosen: dict[str, None] = {}
         for ref in output_stages:
             sid = stage_ref(cfg, ref, "output stage")
             if sid not in allowed:
                 raise InvalidRequestError(
                     f"output stage {sid!r} does not run when final_stage_id is {final!r}: "
-                    f"only {sorted(allowed)} do"
+                    f"only {few_ids(sorted(allowed, key=graph.index.__getitem__))} do"
                 )
-            if sid not in outs:
-                outs.append(sid)
+            chosen[sid] = None
+        outs = list(chosen)
     if not outs:
         raise InvalidRequestError("the request has no output stage: output_stages is empty")
-    needed: set[str] = set()
-    for sid in outs:
-        needed |= cfg.ancestors(sid) | {sid}
-    active = tuple(s for s in topological_order(cfg) if s in needed)
-    order = cfg.stage_ids
-    return RequestPlan(active=active, outputs=tuple(sorted(outs, key=order.index)))
+    needed = graph.closure(outs)
+    active = tuple(s for s in graph.order if s in needed)
+    return RequestPlan(active=active, outputs=tuple(sorted(outs, key=graph.index.__getitem__)))
 
 
 class RoutePlanner:
@@ -200,7 +207,8 @@ def _keyed_by_stage(cfg: PipelineConfig, value: Mapping[object, object]) -> bool
     """Whether a sampling-params mapping is keyed by stage (True) or is one params mapping for
     every stage (False). A mapping with some stage keys and some others is a typo: raises
     InvalidRequestError naming the first key that is no stage id or index."""
-    ids = set(cfg.stage_ids)
+    graph = cfg.graph()
+    ids = graph.index
     n = len(cfg.stages)
 
     def is_stage(k: object) -> bool:
@@ -216,7 +224,7 @@ def _keyed_by_stage(cfg: PipelineConfig, value: Mapping[object, object]) -> bool
     unknown = next(k for k in value if not is_stage(k))
     raise InvalidRequestError(
         f"sampling_params is keyed by stage ({stage_keys[0]!r} is a stage) but {unknown!r} is "
-        f"neither a stage id nor a stage index; stages are {cfg.stage_ids}"
+        f"neither a stage id nor a stage index; {some_ids(graph.ids)}"
         if stage_keys
         else f"sampling_params key {unknown!r} is not a stage index (the pipeline has {n} stages)"
     )
@@ -226,15 +234,15 @@ def resolve_sampling_params(cfg: PipelineConfig, value: object) -> dict[str, Sam
     """Per-stage sampling params (pure): ``value`` is one value for all stages, a list (one per
     stage), or a dict keyed by stage id (or index). Plain dicts are merged over each stage's
     ``default_sampling_params``; other objects (a vLLM ``SamplingParams``) pass unchanged."""
-    ids = cfg.stage_ids
+    ids = cfg.graph().ids
     per_stage: dict[str, object]
     if value is None:
         per_stage = {sid: None for sid in ids}
     elif isinstance(value, (list, tuple)):
         if len(value) != len(ids):
             raise InvalidRequestError(
-                f"sampling_params as a list needs one entry per stage ({len(ids)}: {ids}), "
-                f"got {len(value)}"
+                f"sampling_params as a list needs one entry per stage "
+                f"({len(ids)}: {few_ids(ids)}), got {len(value)}"
             )
         per_stage = dict(zip(ids, value, strict=True))
     elif isinstance(value, Mapping) and value and _keyed_by_stage(cfg, value):

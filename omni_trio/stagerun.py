@@ -88,9 +88,12 @@ class StageRunner:
         if known is not None and known[0] is plan:
             return known[1]
         layout: dict[str, tuple[StagePath, bool]] = {}
+        # linear in the active stages and their edges: a 2,000-stage chain plans at once
+        active = set(plan.active)
+        downstream = self.config.graph().downstream
         for sid in plan.active:
-            down = [st for st in self.config.stages if st.id in plan.active and sid in st.inputs]
-            output = sid in plan.outputs
+            down = [self._stages[d] for d in downstream[sid] if d in active]
+            output = sid in plan.output_set
             streamed = output or any(st.stream_input for st in down)
             path = stage_path(output=output, feeds=len(down), streamed=streamed, observed=False)
             layout[sid] = (path, streamed)
@@ -110,7 +113,7 @@ class StageRunner:
     async def _drive(self, req: Request, runs: list[Run]) -> None:
         """Run ``runs``, then the deferred stages each one made ready: a single run in this
         task (a loop, not a call chain: a finished stage's frame is gone before the next one
-        runs), several in a nursery, each driven by its own task. Checkpoints."""
+        runs), several in one nursery (:meth:`_drive_in`). Checkpoints."""
         while len(runs) == 1:
             # only the run's coroutine is held while it runs: not its partial, nor the list
             work = runs.pop()()
@@ -118,9 +121,19 @@ class StageRunner:
             runs = self._ready_runs(req, await work)
         if runs:
             async with trio.open_nursery() as nursery:
-                for run in runs[:-1]:
-                    nursery.start_soon(self._drive, req, [run], name=req.request_id)
-                await self._drive(req, runs[-1:])
+                await self._drive_in(req, runs, nursery)
+
+    async def _drive_in(self, req: Request, runs: list[Run], nursery: trio.Nursery) -> None:
+        """Run the last of ``runs`` in this task and start the others as tasks of
+        ``nursery``, each going on the same way with what its run made ready. Every task of
+        the request is a child of that one nursery: no nursery or frame nests per stage, so a
+        chain of thousands of stages runs as deep as a chain of two. Checkpoints."""
+        while runs:
+            for run in runs[:-1]:
+                nursery.start_soon(self._drive_in, req, [run], nursery, name=req.request_id)
+            work = runs[-1]()
+            del runs
+            runs = self._ready_runs(req, await work)
 
     def _ready_runs(self, req: Request, ready: Ready) -> list[Run]:
         """What runs for the deferred stages whose input just became complete, each with its

@@ -133,3 +133,62 @@ def test_schema_fields_have_descriptions():
         missing = [k for k, v in props.items() if not v.get("description")]
         assert not missing, (name, missing)
     assert "source" not in defs["PipelineConfig"]["properties"]
+
+
+# -- a config built in Python is checked like a loaded one, when it is built --------------
+
+
+@pytest.mark.parametrize(
+    ("keys", "where", "reason"),
+    [
+        ({"stages": "nope"}, "$.stages", "Expected `array`, got str 'nope'"),
+        ({"stages": ["a"]}, "$.stages[0]", "Expected `object`, got str 'a'"),
+        ({"stages": [{"id": 3}]}, "$.stages[0].id", "Expected `str`, got int 3"),
+        ({"stages": [{"id": "a", "replicas": 0}]}, "$.stages[0].replicas", ">= 1, got int 0"),
+        ({"stages": [{"id": "a", "inptus": []}]}, "$.stages[0].inptus", "unknown field"),
+        ({"max_requests_in_flight": "x"}, "$.max_requests_in_flight", "got str 'x'"),
+        ({"admission": "maybe"}, "$.admission", "Expected one of 'reject', 'wait'"),
+        ({"stage_init_timeout": -1}, "$.stage_init_timeout", "Expected `float` > 0.0"),
+        ({"name": None}, "$.name", "Expected `str`, got None"),
+    ],
+)
+def test_a_wrong_constructor_argument_is_a_config_error_naming_the_field(keys, where, reason):
+    keys = {"stages": [StageConfig(id="a", final_output=True)], **keys}
+    with pytest.raises(ConfigError) as caught:
+        PipelineConfig(**keys)
+    err = caught.value
+    assert (err.source, err.path) == ("<PipelineConfig>", where)
+    assert reason in err.reason and not isinstance(err, TypeError)
+
+
+def test_a_config_built_in_python_holds_checked_values(tmp_path):
+    # plain stage data is converted, as load_config would; values keep their meaning
+    cfg = PipelineConfig(stages=[{"id": "a", "final_output": True}], stage_init_timeout=5)
+    assert isinstance(cfg.stages[0], StageConfig) and cfg.stage_init_timeout == 5.0
+    assert load_config(cfg).stages[0].final_output
+    given = StageConfig(id="b", inputs=["a"], options={"outputs": 2})
+    cfg = PipelineConfig(stages=[cfg.stages[0], given], source="mine.yaml")
+    assert cfg.stages[1] is given and cfg.source == "mine.yaml"
+    with pytest.raises(ConfigError, match=r"^mine.yaml: \$.output_buffer: Expected `int` >= 1"):
+        PipelineConfig(stages=[given], source="mine.yaml", output_buffer=0)
+    for bad in ({"id": 3}, {"id": "a", "inputs": "b"}, {"id": "a", "placement": {"ray": 1}}):
+        with pytest.raises(ConfigError, match=r"^<StageConfig>: \$\.(id|inputs|placement\.ray): "):
+            StageConfig(**bad)
+
+
+def test_errors_about_a_20000_stage_pipeline_stay_short():
+    n = 20_000
+    ring = [{"id": f"s{i}", "inputs": [f"s{(i - 1) % n}"]} for i in range(n)]
+    entry = {"id": "e", "final_output": True}
+    with pytest.raises(ConfigError) as caught:
+        load_config({"stages": [entry, *ring]})
+    reason = caught.value.reason
+    assert reason.startswith("the stage graph has a cycle: s0 -> s19999 -> s19998 -> ")
+    assert reason.endswith(" -> s2 -> s1 -> s0 (20000 stages)") and len(reason) < 200
+    chain = [{"id": f"s{i}", "inputs": [f"s{i - 1}"] if i else []} for i in range(n)]
+    chain[-1]["final_output"] = True
+    with pytest.raises(ConfigError) as caught:
+        load_config({"stages": chain}, stage_overrides={"x": {"replicas": 2}})
+    assert caught.value.reason.endswith("'s9'] ... (20000 in all)") and caught.value.path == (
+        "$.stage_overrides.x"
+    )

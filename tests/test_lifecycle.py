@@ -69,3 +69,24 @@ def test_transitions_are_checked():
     with pytest.raises(RuntimeError, match="already ended"):
         lc.end()
     assert "aborted" in repr(lc)
+
+
+@pytest.mark.parametrize("n", [3, 9, 2_000])
+def test_the_rules_hold_for_any_number_of_finished_stages(n):
+    # a handful of finished stages are kept as a tuple, more as a set: the same rules
+    outputs = [f"s{i}" for i in range(n)]
+    lc = running(outputs)
+    for sid in outputs[:-1]:
+        lc.stage_output(sid, finished=True)
+    assert all(lc.stage_finished(sid) for sid in outputs[:-1])
+    assert not lc.stage_finished(outputs[-1])
+    for sid in (outputs[0], outputs[-2]):
+        with pytest.raises(ContractViolation, match=f"stage '{sid}' produced an output"):
+            lc.stage_output(sid, finished=False)
+    assert lc.request_abort()
+    assert lc.end() == "aborted"
+    assert lc.abort_terminals() == (outputs[-1],)
+    done = running(outputs)
+    for sid in outputs:
+        done.stage_output(sid, finished=True)
+    assert done.end() == "finished" and done.abort_terminals() == ()

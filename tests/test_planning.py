@@ -67,3 +67,29 @@ def test_stage_path_by_who_needs_the_outputs():
     # observers get their per-output events from a routing task, whatever the stage
     for output, feeds, streamed in [(True, 0, True), (False, 1, False)]:
         assert stage_path(output=output, feeds=feeds, streamed=streamed, observed=True) == "routed"
+
+
+def test_planning_a_20000_stage_chain():
+    # one walk of the graph per plan, whatever the route: no ancestor set per output stage,
+    # no list lookups per stage (each was quadratic in the stages)
+    n = 20_000
+    ids = [f"s{i}" for i in range(n)]
+    cfg = scripted_pipeline(ids)
+    plan = plan_request(cfg)
+    assert plan.active == tuple(ids) and plan.outputs == (ids[-1],)
+    plan = plan_request(cfg, final_stage_id=n // 2)
+    assert plan.active == tuple(ids[: n // 2 + 1]) and plan.outputs == (ids[n // 2],)
+    plan = plan_request(cfg, output_stages=list(reversed(ids)))
+    assert plan.outputs == tuple(ids) and plan.output_set == frozenset(ids)
+    plan = plan_request(cfg, output_stages=[ids[5], 3, ids[5]])
+    assert plan.active == tuple(ids[:6]) and plan.outputs == (ids[3], ids[5])
+    # errors name a few stages, not 20,000
+    with pytest.raises(
+        InvalidRequestError, match=r"stages are \['s0', .* \.\.\. \(20000 in all\)$"
+    ):
+        plan_request(cfg, output_stages=["nope"])
+    only = r"only \['s0', 's1', .*'s9'\] \.\.\. \(11 in all\) do"
+    with pytest.raises(InvalidRequestError, match=only):
+        plan_request(cfg, final_stage_id=10, output_stages=[ids[-1]])
+    with pytest.raises(InvalidRequestError, match=r"\(20000: \['s0', .* in all\)\), got 1"):
+        resolve_sampling_params(cfg, [{}])

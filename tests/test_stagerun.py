@@ -169,3 +169,69 @@ async def test_fast_path_abort_mid_stream_returns_what_was_delivered(autojump_cl
         await trio.sleep(0.1)  # steps after the abort deliver nothing
         assert b.statistics().requests_aborted == 1 and not b.inboxes  # type: ignore[attr-defined]
         assert_nothing_in_flight(engine)
+
+
+# -- pipelines of thousands of stages: planned in linear time, run without nesting ----------
+
+CHAIN = 2_000
+
+
+async def test_a_2000_stage_chain_runs_a_request_through_every_stage(autojump_clock):
+    # The request task runs the chain's stages one after the other in a loop; with every
+    # stage an output stage (each one routed, its backend in a task of its own) the tasks
+    # are siblings in one nursery: neither way nests a frame or a nursery per stage, which
+    # would overflow the interpreter's recursion limit long before 2,000 stages.
+    cfg = scripted_pipeline(CHAIN, outputs=2)
+    ids = cfg.stage_ids
+    async with omni_trio.open_engine(cfg) as engine:
+        outs = await engine.generate(PROMPT, request_id="r").collect()
+        assert [(o.stage_id, o.token_ids, o.finished) for o in outs] == [
+            (ids[-1], (10 + CHAIN,), False),  # one token offset per stage
+            (ids[-1], (20 + CHAIN,), True),
+        ]
+        assert all(scripted_backends(engine, sid)[0].completed == ["r"] for sid in ids)
+        every = await engine.generate(PROMPT, request_id="all", output_stages=ids).collect()
+        assert [o.stage_id for o in every if o.finished] == ids
+        assert [o.token_ids for o in every if o.stage_id == ids[-1]] == [
+            (10 + CHAIN,),
+            (20 + CHAIN,),
+        ]
+        assert_nothing_in_flight(engine)
+        assert engine.statistics().requests_finished == 2
+
+
+async def test_a_long_streaming_chain_and_many_entry_stages(autojump_clock):
+    # every stage of a streaming chain starts with the request (two tasks each); independent
+    # entry stages run side by side, each an output stage
+    n = 1_000
+    streaming = scripted_pipeline(n, outputs=2, stream_input=True)
+    async with omni_trio.open_engine(streaming) as engine:
+        outs = await engine.generate(PROMPT, request_id="r").collect()
+        assert [o.token_ids for o in outs] == [(10 + n,), (20 + n,)]
+        assert_nothing_in_flight(engine)
+    stages = [{"id": f"e{i}", "options": {"outputs": 1}, "final_output": True} for i in range(n)]
+    async with omni_trio.open_engine({"stages": stages}) as engine:
+        outs = await engine.generate(PROMPT, request_id="r").collect()
+        assert sorted(o.stage_id for o in outs) == sorted(s["id"] for s in stages)
+        assert {o.token_ids for o in outs} == {(11,)}
+        assert_nothing_in_flight(engine)
+
+
+async def test_a_long_routed_chain_cancelled_at_every_checkpoint(autojump_clock):
+    # a chain long enough that its routed stages start tasks from tasks of the same
+    # nursery: wherever it is cancelled, nothing of the request is left
+    from omni_trio.testing import cancel_at_every_checkpoint
+
+    n = 12
+    cfg = scripted_pipeline(n, outputs=2, latency_s=0.25, final_outputs=[f"s{i}" for i in range(n)])
+
+    async def scenario(engine: omni_trio.Engine) -> None:
+        async with engine.generate(PROMPT) as stream:
+            async for _ in stream:
+                pass
+
+    async with omni_trio.open_engine(cfg) as engine:
+        report = await cancel_at_every_checkpoint(engine, scenario)
+        report.raise_if_failed()
+        assert report.runs == report.checkpoints + 1 > 2 * n
+        assert_nothing_in_flight(engine)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
+from functools import partial
 
 import trio
 
@@ -21,7 +22,7 @@ from ..config import PipelineConfig
 from ..errors import StageStartError, StageStopError
 from ..failures import merge_start_errors, merge_stop_errors, single_leaf
 from ..outputs import StageStatistics
-from .pool import StagePool
+from .pool import StagePool, create_backend
 
 __all__ = ["StageGroup"]
 
@@ -33,6 +34,8 @@ class StageGroup:
 
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
+        # a backend that cannot be built names the config's file
+        build = partial(create_backend, source=config.source)
         self.pools: dict[str, StagePool] = {
             st.id: StagePool(
                 st,
@@ -42,6 +45,7 @@ class StageGroup:
                 lb_policy=config.lb_policy,
                 # one seed per stage: stages with the same replicas do not choose in lockstep
                 lb_seed=None if config.lb_seed is None else config.lb_seed + i,
+                factory=build,
             )
             for i, st in enumerate(config.stages)
         }

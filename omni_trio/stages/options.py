@@ -11,8 +11,9 @@ checked at load; without one, ``options`` is passed through unchecked). A torch 
 the same for the options the torch backend hands on to it.
 
 :func:`check_stage` is everything about one stage that can be known without starting it:
-options, dotted paths (imported and checked callable), a torch weights file, and, when vllm is
-importable, ``engine_args`` against ``AsyncEngineArgs`` and ``default_sampling_params``
+options, dotted paths (imported and checked callable; a backend path must name a backend
+factory, :func:`~omni_trio.stages.factory.check_factory`), a torch weights file, and, when
+vllm is importable, ``engine_args`` against ``AsyncEngineArgs`` and ``default_sampling_params``
 against ``SamplingParams``. Importing this module imports neither torch nor vllm; vllm is
 imported on the first check of a vllm stage (several seconds, once per process).
 """
@@ -31,6 +32,7 @@ from .._config_read import explain_validation_error
 from .._dotted import DOTTED_PATTERN, import_dotted, is_dotted
 from ..errors import BackendUnavailableError, ConfigError
 from ._vllm_fields import check_vllm_stage
+from .factory import resolve_factory
 
 if TYPE_CHECKING:
     from ..config import StageConfig
@@ -252,9 +254,7 @@ def check_stage(
             backend=stage.backend,
         )
     else:
-        factory = import_dotted(
-            stage.backend, what="backend", where=f"{where}.backend", source=source
-        )
+        factory = resolve_factory(stage.backend, where=f"{where}.backend", source=source)
         declared = options_type_of(factory)
         if declared is not None:
             parse_options(declared, stage.options, where=opts_where, source=source)

@@ -62,7 +62,7 @@ def scripted_pipeline(
     (``max_requests_in_flight``...). Synchronous; raises ConfigError.
     """
     ids = [f"s{i}" for i in range(stages)] if isinstance(stages, int) else list(stages)
-    finals = list(final_outputs) if final_outputs is not None else ids[-1:]
+    finals = set(final_outputs if final_outputs is not None else ids[-1:])
     per_stage = dict(stage_options or {})
     streaming = set(ids[1:]) if stream_input is True else set(stream_input or ())
     cfg_stages = []

@@ -32,7 +32,7 @@ def test_create_backend_by_name_and_dotted_path():
         create_backend(
             cfg(backend="omni_trio.stages.scripted:Nope").stages[0], stage_index=0, replica=0
         )
-    with pytest.raises(ConfigError, match="backend factory 'builtins:dict' failed"):
+    with pytest.raises(ConfigError, match="'builtins:dict' names the class builtins.dict"):
         create_backend(cfg(backend="builtins:dict").stages[0], stage_index=0, replica=0)
     with pytest.raises(ConfigError, match="unknown scripted option"):
         create_backend(cfg(options={"outptus": 3}).stages[0], stage_index=0, replica=0)
