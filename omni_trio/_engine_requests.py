@@ -121,11 +121,10 @@ class RequestMaker:
         return dataclasses.replace(context, companions=companions, companion_stage=sid)
 
     def _check_streaming_input(self, plan: RequestPlan) -> None:
-        entries = [sid for sid in plan.active if not self._config.stage(sid).inputs]
-        if len(entries) != 1:
+        if len(plan.entries) != 1:
             raise InvalidRequestError(
                 f"streaming_input needs a route with one entry stage; this one has "
-                f"{len(entries)}: {entries}"
+                f"{len(plan.entries)}: {list(plan.entries)}"
             )
 
 

@@ -28,6 +28,7 @@ import outcome
 import trio
 
 from ._dotted import import_dotted
+from .context import PlannedCompanion
 from .errors import InvalidRequestError, StageError
 from .outputs import Payload, Prompt, SamplingParams, StageInput, StageOutput
 from .routing import WholeInput
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 __all__ = [
     "Companion",
     "ExpandHook",
-    "PlannedCompanion",
     "companion_key",
     "expand_companions",
     "load_expand_hooks",
@@ -62,16 +62,6 @@ class Companion:
 
 #: ``fn(prompt, sampling_params) -> list[Companion]``
 ExpandHook = Callable[[Prompt, SamplingParams], Sequence[Companion]]
-
-
-@dataclass(frozen=True, slots=True)
-class PlannedCompanion:
-    """A checked companion: its role, its id on the entry stage, its input and params."""
-
-    role: str
-    request_id: str
-    first_input: StageInput
-    sampling_params: SamplingParams
 
 
 def companion_key(stage_id: str, role: str) -> str:

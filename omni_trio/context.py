@@ -12,17 +12,42 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ._values import direct_init
 from .errors import InvalidRequestError
-from .outputs import Payload, Prompt, SamplingParams
+from .outputs import Payload, Prompt, SamplingParams, StageInput
 
-if TYPE_CHECKING:
-    from .companions import PlannedCompanion
-    from .hooks import Artifacts
+__all__ = ["Artifacts", "PlannedCompanion", "RequestContext", "check_request_options"]
 
-__all__ = ["RequestContext", "check_request_options"]
+
+class Artifacts(Protocol):
+    """What a request holds of the directories its ``prompt_transform`` hooks left: they are
+    deleted once, whoever gets there first (:mod:`omni_trio.hooks` makes them)."""
+
+    @property
+    def removed(self) -> bool:
+        """Whether they were deleted (or their deletion has begun)."""
+        ...
+
+    def take(self) -> list[str]:
+        """The directories to delete, once: later calls get ``[]``. Synchronous."""
+        ...
+
+    def remove_nowait(self) -> None:
+        """Delete them now, on this thread. Blocking."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedCompanion:
+    """A checked CFG companion (:mod:`omni_trio.companions`): its role, its id on the entry
+    stage, its input and params."""
+
+    role: str
+    request_id: str
+    first_input: StageInput
+    sampling_params: SamplingParams
 
 
 @direct_init  # one per request: see omni_trio._values

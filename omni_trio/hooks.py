@@ -176,7 +176,8 @@ class ArtifactKeeper:
         stream never entered). The admitted request holds this very context until it ended,
         so it cannot be collected while the request runs. Synchronous."""
         artifacts = context.artifacts
-        if artifacts is not None and not artifacts.removed:
+        # a context's artifacts are always a keeper's (RequestMaker makes them with hold())
+        if isinstance(artifacts, Artifacts) and not artifacts.removed:
             finalizer = weakref.finalize(context, self._orphaned, artifacts)
             finalizer.atexit = False  # at exit the engine is gone: close deleted them
 

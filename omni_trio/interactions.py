@@ -25,7 +25,6 @@ from collections.abc import Mapping
 
 import trio
 
-from .config import PipelineConfig
 from .outputs import Payload
 from .requests import Request
 from .stages._abc import StageBackend
@@ -39,15 +38,14 @@ class Interactions:
     """Delivers one engine's interactions (owned by the orchestrator). See the module
     docstring."""
 
-    def __init__(self, config: PipelineConfig, pools: Mapping[str, StagePool]) -> None:
+    def __init__(self, pools: Mapping[str, StagePool]) -> None:
         self._pools = pools
-        self._entries = frozenset(config.entry_stages)
         self._locks: dict[str, trio.Lock] = {}
 
     def entry_stage(self, req: Request) -> str:
         """The stage a request's interactions go to: the first entry stage of its route.
         Synchronous, pure."""
-        return next(sid for sid in req.plan.active if sid in self._entries)
+        return req.plan.entries[0]
 
     async def deliver(self, req: Request, payload: Payload) -> bool:
         """Deliver ``payload`` to ``req``'s entry-stage backend, after every interaction

@@ -78,7 +78,7 @@ class Orchestrator:
         # the OmniOutput a caller gets for each stage output
         self._output = OutputBuilder([(st.id, st.output_type) for st in config.stages])
         #: delivers interactions to the requests' entry-stage backends, in order
-        self.interactions = Interactions(config, self._pools)
+        self.interactions = Interactions(self._pools)
         self.closed = False
         self.n_finished = 0
         self.n_aborted = 0
@@ -199,7 +199,7 @@ class Orchestrator:
         streamed_input = None
         if context.streaming_input:
             # generate() checked the route has exactly one entry stage
-            entry = next(sid for sid in plan.active if not self.config.stage(sid).inputs)
+            (entry,) = plan.entries
             streamed_input = RequestInput(request_id, entry, first_input, self.config.output_buffer)
         self.n_total += 1
         return Request(

@@ -31,12 +31,14 @@ StagePath = Literal["pulled", "collected", "routed"]
 
 @dataclass(frozen=True, slots=True)
 class RequestPlan:
-    """Which stages a request runs on (graph order) and which of them the caller receives.
+    """Which stages a request runs on (graph order), which of them take the prompt (its entry
+    stages: the active stages without inputs, graph order) and which the caller receives.
     ``output_set`` is ``outputs`` as a set (a membership test per output stays O(1) when a
     route has thousands of output stages)."""
 
     active: tuple[str, ...]
     outputs: tuple[str, ...]
+    entries: tuple[str, ...]
     output_set: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -155,7 +157,10 @@ def plan_request(
         raise InvalidRequestError("the request has no output stage: output_stages is empty")
     needed = graph.closure(outs)
     active = tuple(s for s in graph.order if s in needed)
-    return RequestPlan(active=active, outputs=tuple(sorted(outs, key=graph.index.__getitem__)))
+    entries = tuple(s for s in active if not cfg.stage(s).inputs)
+    return RequestPlan(
+        active=active, outputs=tuple(sorted(outs, key=graph.index.__getitem__)), entries=entries
+    )
 
 
 class RoutePlanner:

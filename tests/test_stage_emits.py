@@ -19,7 +19,7 @@ def out(tok: int, finished: bool = False) -> StageOutput:
 
 
 def request(window: int = 2) -> Request:
-    plan = RequestPlan(active=("s",), outputs=("s",))
+    plan = RequestPlan(active=("s",), outputs=("s",), entries=("s",))
     return Request(
         "r",
         plan,
