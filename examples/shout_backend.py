@@ -16,8 +16,8 @@ import msgspec
 import trio
 
 from omni_trio import InvalidRequestError, StageConfig, StageInput, StageOutput
+from omni_trio.config.options import parse_options
 from omni_trio.stages import StageBackend, collect_input
-from omni_trio.stages.options import parse_options
 
 # the types of _run's arguments
 InputStream = trio.MemoryReceiveChannel[StageInput]

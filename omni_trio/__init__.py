@@ -2,6 +2,7 @@
 
 from .companions import Companion
 from .config import PipelineConfig, StageConfig, load_config
+from .config.stageinfo import StageInfo
 from .engine import Engine, open_engine
 from .errors import (
     BackendUnavailableError,
@@ -28,7 +29,6 @@ from .outputs import (
     StageOutput,
     StageStatistics,
 )
-from .stageinfo import StageInfo
 from .stages._abc import StageBackend
 from .streams import RequestStream
 

@@ -16,7 +16,7 @@ from . import __version__
 from .runner import resolve_config_arg
 
 if TYPE_CHECKING:
-    from .config import PipelineConfig
+    from .config.pipeline import PipelineConfig
 
 __all__ = ["UsageError", "build_parser", "load_config_arg"]
 
@@ -139,6 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
 def load_config_arg(arg: str) -> PipelineConfig:
     """The config a CONFIG argument names, loaded and checked. Blocking (reads the file,
     imports what it names). Raises ConfigError naming the file, or what was looked for."""
-    from .config import load_config
+    from .config.loading import load_config
 
     return load_config(resolve_config_arg(arg))

@@ -35,7 +35,7 @@ from .runner import (
 )
 
 if TYPE_CHECKING:
-    from .config import PipelineConfig
+    from .config.pipeline import PipelineConfig
 
 __all__ = [
     "DEMO_PROMPTS",
@@ -161,7 +161,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """Everything knowable without starting an engine (see omni_trio.config); a failure is
+    """Everything knowable without starting an engine (see omni_trio.config.loading); a failure is
     a ConfigError: one line naming the file and JSON path, exit 2 (see main)."""
     config = load_config_arg(args.config)
     shown = 12  # a 20,000-stage pipeline still gets one readable line
@@ -177,7 +177,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from .config import config_schema
+    from .config.pipeline import config_schema
 
     print(json.dumps(config_schema(), indent=2))
     return 0

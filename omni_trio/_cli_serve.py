@@ -25,14 +25,14 @@ from .failures import leaves
 from .runner import format_init_table, format_statistics
 
 if TYPE_CHECKING:
-    from .config import PipelineConfig
+    from .config.pipeline import PipelineConfig
 
 __all__ = ["cmd_serve"]
 
 
 async def _serve(args: argparse.Namespace, config: PipelineConfig) -> None:
     from .progress import open_engine_with_progress
-    from .server import serve_engine
+    from .server.serve import serve_engine
 
     shutdown = trio.Event()
     serving = False

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import trio
 
 from .companions import expand_companions, load_expand_hooks
-from .config import PipelineConfig
+from .config.pipeline import PipelineConfig
 from .context import RequestContext, check_request_options
 from .errors import InvalidRequestError, StageError
 from .hooks import PromptHooks

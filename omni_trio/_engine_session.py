@@ -24,7 +24,8 @@ from typing import TypeVar
 
 import trio
 
-from .config import PipelineConfig, check_vllm_stages
+from .config.checks import check_vllm_stages
+from .config.pipeline import PipelineConfig
 from .errors import EngineClosedError, InvalidRequestError
 from .failures import single_leaf
 from .hooks import ArtifactKeeper

@@ -27,17 +27,18 @@ from typing import TYPE_CHECKING, cast
 import outcome
 import trio
 
-from ._dotted import import_dotted
+from .config.dotted import import_dotted
 from .context import PlannedCompanion
 from .errors import InvalidRequestError, StageError
 from .outputs import Payload, Prompt, SamplingParams, StageInput, StageOutput
 from .routing import WholeInput
-from .stages._abc import StageAborted
+from .stages._request_table import StageAborted
 
 if TYPE_CHECKING:
     from .requests import Request
     from .routing import StageFeed
-    from .stages._abc import InputStream, StageBackend
+    from .stages._abc import StageBackend
+    from .stages._inputs import InputStream
     from .stages.pool import StagePool
 
 __all__ = [

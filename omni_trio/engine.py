@@ -29,7 +29,9 @@ import trio
 
 from ._engine_requests import RequestMaker, abort_requests
 from ._engine_session import EngineSession
-from .config import PipelineConfig, load_config
+from .config.loading import load_config
+from .config.pipeline import PipelineConfig
+from .config.stageinfo import StageInfo, SupportedTask, stage_infos, supported_tasks
 from .errors import InvalidRequestError
 from .health import HealthReport, assess_health
 from .hooks import PromptHooks
@@ -38,7 +40,6 @@ from .orchestrator import Orchestrator
 from .outputs import EngineStatistics, OmniOutput, Payload, Prompt, SamplingParams
 from .planning import stage_ref
 from .rpc import fan_out_rpc
-from .stageinfo import StageInfo, SupportedTask, stage_infos, supported_tasks
 from .stages.fanout import check_rpc_timeout
 from .stages.group import StageGroup
 from .stages.pool import StagePool
@@ -126,7 +127,7 @@ class Engine:
         else the last stage of it; only they and what they depend on run. ``"text"`` does not
         match ``tokens`` stages. An unknown modality, or one no stage produces, raises
         :class:`InvalidRequestError` naming it and what the pipeline produces
-        (:mod:`omni_trio.stageinfo`).
+        (:mod:`omni_trio.config.stageinfo`).
 
         The ``prompt_transform`` hooks of the route's entry stages run here, synchronously,
         after the other arguments were checked and before the prompt is; a hook that raises
@@ -331,7 +332,7 @@ class Engine:
 
     @property
     def stages(self) -> tuple[StageInfo, ...]:
-        """Every stage's frozen :class:`~omni_trio.stageinfo.StageInfo` (id, index, backend,
+        """Every stage's frozen :class:`~omni_trio.config.stageinfo.StageInfo` (id, index, backend,
         output_type, inputs, final_output, replicas: its member replicas now), in config
         order. Synchronous; a new snapshot each time. The pools are :attr:`pools`."""
         pools = self._stage_group.pools
@@ -341,7 +342,7 @@ class Engine:
     def supported_tasks(self) -> tuple[SupportedTask, ...]:
         """``generate`` when a stage produces text, ``speech`` when the pipeline has an audio
         stage (any stage can be a request's final one); see
-        :func:`~omni_trio.stageinfo.supported_tasks`."""
+        :func:`~omni_trio.config.stageinfo.supported_tasks`."""
         return supported_tasks(self.stages)
 
     def statistics(self) -> EngineStatistics:

@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING, cast
 
 import trio
 
-from ._dotted import import_dotted
-from .config import PipelineConfig
+from .config.dotted import import_dotted
+from .config.pipeline import PipelineConfig
 from .errors import InvalidRequestError
 from .outputs import Prompt, StageInput
 from .planning import prompt_to_input

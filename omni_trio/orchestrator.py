@@ -30,7 +30,7 @@ import trio
 
 from ._output_builder import OutputBuilder
 from .admission import AdmissionGate
-from .config import PipelineConfig
+from .config.pipeline import PipelineConfig
 from .context import RequestContext
 from .errors import DuplicateRequestError, EngineClosedError, OmniTrioError
 from .hooks import remove_artifacts

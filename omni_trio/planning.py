@@ -9,11 +9,11 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ._stage_graph import few_ids, some_ids
-from .config import PipelineConfig
+from .config.graph import few_ids, some_ids
+from .config.pipeline import PipelineConfig
+from .config.stageinfo import modality_stages
 from .errors import InvalidRequestError
 from .outputs import SamplingParams, StageInput
-from .stageinfo import modality_stages
 
 __all__ = [
     "RequestPlan",
@@ -118,7 +118,7 @@ def plan_request(
     With ``final_stage_id`` only that stage and what it depends on run; the default
     ``output_stages`` are the ``final_output`` stages among those, plus the final stage.
     ``output_modalities`` picks the output stages by their ``output_type`` instead
-    (:func:`~omni_trio.stageinfo.modality_stages`; it cannot be combined with
+    (:func:`~omni_trio.config.stageinfo.modality_stages`; it cannot be combined with
     ``output_stages``). Either way only the output stages and what they depend on run: the
     route ends after the last output stage (a text-only answer never runs the talker).
     """

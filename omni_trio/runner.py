@@ -18,7 +18,7 @@ from typing import Any, TextIO
 import trio
 
 from .audio import concat_audio, sample_rate_of, write_wav
-from .config import PipelineConfig
+from .config.pipeline import PipelineConfig
 from .errors import ConfigError
 from .observer import EngineObserver
 

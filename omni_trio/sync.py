@@ -21,7 +21,7 @@ from typing import Any
 import trio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from .config import PipelineConfig
+from .config.pipeline import PipelineConfig
 from .engine import Engine
 from .engine import open_engine as _open_engine
 from .health import HealthReport

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import omni_trio
-from omni_trio.cli import build_parser, main
+from omni_trio._cli_args import build_parser
+from omni_trio.cli import main
 
 
 @pytest.mark.parametrize("command", ["demo", "run", "serve", "validate", "bench"])

@@ -21,11 +21,11 @@ from omni_trio.errors import StageError
 from omni_trio.runner import StageTimer, run_prompts
 from omni_trio.testing import cancel_at_every_checkpoint, scripted_pipeline, scripted_tokens
 
+from .config.test_loading import stage
+from .config.test_reading import one_stage_yaml
+from .config.test_reading import write as write_config
 from .conftest import run_bounded
 from .test_cli import LOG_NOTE, log_file, one_line_error, pipeline, write
-from .test_config import stage
-from .test_config_read import one_stage_yaml
-from .test_config_read import write as write_config
 
 
 def test_validate_ok_bad_and_missing(tmp_path, capsys):

@@ -12,12 +12,7 @@ import trio
 
 import omni_trio
 from omni_trio.health import HealthReport, ReplicaHealth, assess_health
-from omni_trio.outputs import (
-    EngineStatistics,
-    ReplicaState,
-    ReplicaStatistics,
-    StageStatistics,
-)
+from omni_trio.outputs import EngineStatistics, ReplicaState, ReplicaStatistics, StageStatistics
 from omni_trio.testing import scripted_pipeline
 
 ALL_STATES: tuple[ReplicaState, ...] = get_args(ReplicaState)

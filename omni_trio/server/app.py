@@ -28,6 +28,7 @@ from starlette.routing import Route
 from ..audio import concat_audio, sample_rate_of, wav_bytes
 from ..health import HealthReport, assess_health
 from ..outputs import EngineStatistics
+from ..runner import audio_stage, text_stage
 from .bodies import (
     chat_chunk,
     completion_chunk,
@@ -45,12 +46,10 @@ from .protocol import (
     ChatRequest,
     CompletionRequest,
     RequestValidationError,
-    audio_stage,
     decode_json,
     parse_chat,
     parse_completion,
     parse_speech,
-    text_stage,
 )
 from .responses import Computed, EngineJSONResponse, EventStreamResponse, error_for
 

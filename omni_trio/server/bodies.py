@@ -68,7 +68,7 @@ def now() -> int:
 
 def model_card(model: str, engine: Any) -> dict[str, Any]:
     """The ``/v1/models`` entry of the served pipeline: OpenAI's model object plus
-    ``supported_tasks`` and ``stages`` (each stage's :class:`~omni_trio.stageinfo.StageInfo`
+    ``supported_tasks`` and ``stages`` (each stage's :class:`~omni_trio.config.stageinfo.StageInfo`
     as an object; ``replicas`` counts its members now). Synchronous."""
     return {
         "id": model,

@@ -42,7 +42,7 @@ from ._request_table import StageAborted as StageAborted
 from ._rpc_calls import RpcCalls
 
 if TYPE_CHECKING:
-    from ..config import StageConfig
+    from ..config.stage import StageConfig
     from ..context import RequestContext
 
 __all__ = [

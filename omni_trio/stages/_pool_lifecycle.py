@@ -27,7 +27,7 @@ import math
 
 import trio
 
-from ..config import LbPolicy, StageConfig
+from ..config.stage import LbPolicy, StageConfig
 from ..errors import (
     EngineClosedError,
     InvalidRequestError,
@@ -37,7 +37,8 @@ from ..errors import (
     StageStopError,
 )
 from ..failures import describe_failures, group_causes
-from ._abc import DEFAULT_SHUTDOWN_TIMEOUT, StageBackend, is_cancellation
+from ._abc import StageBackend
+from ._replica import DEFAULT_SHUTDOWN_TIMEOUT, is_cancellation
 from .balancing import Balancer
 from .binding import ReplicaBinder
 from .factory import BackendFactory, create_backend

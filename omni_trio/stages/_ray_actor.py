@@ -22,11 +22,12 @@ import msgspec
 import trio
 
 from .._heap import frozen_heap
-from ..config import StageConfig
+from ..config.stage import StageConfig
 from ..errors import OmniTrioError, StageError
 from ..outputs import StageOutput
 from ..transport import codec
-from ._abc import StageAborted, StageBackend
+from ._abc import StageBackend
+from ._request_table import StageAborted
 from .factory import create_backend
 
 __all__ = [

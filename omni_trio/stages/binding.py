@@ -27,7 +27,8 @@ from collections.abc import Sequence
 import trio
 
 from ..errors import NoLiveReplicaError, ReplicaDeadError
-from ._abc import StageBackend, no_live_replica
+from ._abc import StageBackend
+from ._replica import no_live_replica
 from .balancing import Balancer, ReplicaLoad
 from .replicas import ReplicaSlot
 

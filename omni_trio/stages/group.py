@@ -18,11 +18,12 @@ from functools import partial
 
 import trio
 
-from ..config import PipelineConfig
+from ..config.pipeline import PipelineConfig
 from ..errors import StageStartError, StageStopError
 from ..failures import merge_start_errors, merge_stop_errors, single_leaf
 from ..outputs import StageStatistics
-from .pool import StagePool, create_backend
+from .factory import create_backend
+from .pool import StagePool
 
 __all__ = ["StageGroup"]
 

@@ -22,7 +22,9 @@ import trio
 from ..context import RequestContext
 from ..failures import describe_failures
 from ..outputs import Payload, SamplingParams, StageOutput, StageStatistics
-from ._abc import Emit, InputStream, StageBackend
+from ._abc import StageBackend
+from ._emit import Emit
+from ._inputs import InputStream
 from ._pool_lifecycle import PoolLifecycle
 from .factory import BackendFactory, create_backend
 from .fanout import call_replicas

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._dotted import import_dotted
+from ..config.dotted import import_dotted
 from ..outputs import Prompt, SamplingParams, StageInput, StageOutput
 
 if TYPE_CHECKING:

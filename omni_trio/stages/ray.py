@@ -48,8 +48,9 @@ from ..errors import (
 )
 from ..outputs import Payload, StageInput
 from ..transport import codec
-from ._abc import Emit, InputStream, StageBackend, collect_input
-from ._emit import never, nowait_of
+from ._abc import StageBackend
+from ._emit import Emit, never, nowait_of
+from ._inputs import InputStream, collect_input
 from ._ray_actor import BATCH, STARTED, ReplicaActor, raise_record
 from ._ray_link import RayLink, RemoteStream
 

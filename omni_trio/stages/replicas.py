@@ -23,7 +23,7 @@ from ..outputs import ReplicaState, ReplicaStatistics
 from ._abc import StageBackend
 
 if TYPE_CHECKING:
-    from ..config import StageConfig
+    from ..config.stage import StageConfig
 
 __all__ = ["ReplicaSlot", "RestartRule", "restart_delay"]
 

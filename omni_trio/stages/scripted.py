@@ -23,7 +23,7 @@ Options (under the stage's ``options:``):
 ``record`` (int|false, 10000)   how many entries the records below keep (the most recent);
                                 ``false``: none, so a long-running scripted server stays flat
 
-They are declared by :class:`~omni_trio.stages.options.ScriptedOptions` and checked when the
+They are declared by :class:`~omni_trio.config.options.ScriptedOptions` and checked when the
 config is loaded. A stage's stop is bounded by the stage key ``shutdown_timeout``.
 
 What flows where: a request's input token ids ``T`` are the entry prompt's UTF-8 bytes (text
@@ -62,11 +62,12 @@ from typing import Any, TypeVar, overload
 
 import trio
 
+from ..config.options import ScriptedOptions, parse_options
 from ..errors import StageError
 from ..outputs import StageInput, StageOutput
-from ._abc import Emit, InputStream, StageBackend
-from ._emit import nowait_of
-from .options import ScriptedOptions, parse_options
+from ._abc import StageBackend
+from ._emit import Emit, nowait_of
+from ._inputs import InputStream
 
 __all__ = ["RecentList", "ScriptedBackend", "scripted_tokens"]
 

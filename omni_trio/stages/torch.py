@@ -25,7 +25,7 @@ callable itself in a config built in Python; default the tiny vocoder's
 :func:`~omni_trio.models.vocoder.build_vocoder`), ``max_batch_size`` (8),
 ``max_batch_delay_s`` (0.005), ``max_concurrency`` (1), ``chunk_size`` (16 codes per streamed
 output chunk), ``torch_threads`` (``torch.set_num_threads``, process-wide; default:
-leave); declared by :class:`~omni_trio.stages.options.TorchOptions` and checked at load with
+leave); declared by :class:`~omni_trio.config.options.TorchOptions` and checked at load with
 the factory's path (imported) and a ``weights`` file (must exist). Every other key
 (``weights``, ``seed``, ...) goes to the factory as its options dict. ``sampling_params`` are
 ignored.
@@ -57,18 +57,14 @@ from typing import Any
 
 import trio
 
+from ..config.options import TorchOptions, parse_torch_options, split_torch_options
 from ..errors import BackendUnavailableError, StageError
 from ..outputs import StageInput, StageOutput
-from ._abc import Emit, InputStream, StageBackend
+from ._abc import StageBackend
+from ._emit import Emit
+from ._inputs import InputStream
 from ._torch_worker import ModuleInfo, forward_batch, load_module
-from .batching import (
-    BatchingStatistics,
-    Pending,
-    chunk_spans,
-    context_window,
-    decide_batch,
-)
-from .options import TorchOptions, parse_torch_options, split_torch_options
+from .batching import BatchingStatistics, Pending, chunk_spans, context_window, decide_batch
 
 __all__ = ["TorchBackend", "TorchOptions", "codes_of", "parse_torch_options"]
 

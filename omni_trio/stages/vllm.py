@@ -29,7 +29,7 @@ Config (a stage with ``backend: vllm``):
                  exit takes 1-2 s);
                  ``output_buffer`` (int, 64): the per-request bridge window;
                  ``abort_timeout_s`` (float, 10): bound on waiting for the engine to confirm
-                 an abort. Declared by :class:`~omni_trio.stages.options.VllmOptions`,
+                 an abort. Declared by :class:`~omni_trio.config.options.VllmOptions`,
                  checked at load, like ``engine_args`` keys and ``default_sampling_params``.
 
 Inputs: ``StageInput.token_ids`` (what a downstream stage receives) become
@@ -77,11 +77,13 @@ import msgspec
 import outcome
 import trio
 
+from ..config.options import VllmOptions, parse_options
 from ..errors import ReplicaDeadError
 from ..outputs import StageInput
 from ..transport.bridge import BridgeReceiver, open_bridge
-from ._abc import Emit, InputStream, StageBackend, collect_input
-from ._emit import nowait_of
+from ._abc import StageBackend
+from ._emit import Emit, nowait_of
+from ._inputs import InputStream, collect_input
 from ._vllm_mm import replica_scope
 from ._vllm_outputs import RequestInbox
 from ._vllm_protocol import (
@@ -99,7 +101,6 @@ from ._vllm_protocol import (
     request_options,
 )
 from ._vllm_worker import EngineWorker
-from .options import VllmOptions, parse_options
 
 __all__ = ["CPU_ENGINE_DEFAULTS", "VllmBackend"]
 

@@ -1,5 +1,6 @@
 """How items cross boundaries: threads (the bridge), processes, codecs."""
 
-from .bridge import BridgeReceiver, BridgeSender, BridgeStatistics, open_bridge
+from ._bridge_core import BridgeStatistics
+from .bridge import BridgeReceiver, BridgeSender, open_bridge
 
 __all__ = ["BridgeReceiver", "BridgeSender", "BridgeStatistics", "open_bridge"]

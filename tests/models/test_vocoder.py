@@ -10,12 +10,7 @@ import torch
 
 from omni_trio.errors import ConfigError
 from omni_trio.models.progress import reporting_to
-from omni_trio.models.vocoder import (
-    TinyVocoder,
-    VocoderSpec,
-    build_vocoder,
-    ensure_tiny_vocoder,
-)
+from omni_trio.models.vocoder import TinyVocoder, VocoderSpec, build_vocoder, ensure_tiny_vocoder
 
 
 def decode(module: torch.nn.Module, codes: torch.Tensor) -> torch.Tensor:

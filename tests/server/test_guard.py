@@ -13,13 +13,7 @@ import pytest
 from omni_trio.server.protocol import RequestValidationError, decode_json
 from omni_trio.testing import scripted_pipeline
 
-from .conftest import (
-    client_for,
-    raw_connection,
-    read_response,
-    running_server,
-    watch_logs,
-)
+from .conftest import client_for, raw_connection, read_response, running_server, watch_logs
 
 MSG = [{"role": "user", "content": "hi"}]
 LIMIT = 4096

@@ -9,8 +9,9 @@ import trio.testing
 
 from omni_trio import ReplicaDeadError, StageError, StageRPCError, StageStopError, load_config
 from omni_trio.outputs import StageInput, StageOutput
-from omni_trio.stages._abc import StageAborted, StageBackend
+from omni_trio.stages._abc import StageBackend
 from omni_trio.stages._replica import death_reason
+from omni_trio.stages._request_table import StageAborted
 from omni_trio.stages._requests import request_outcome
 from omni_trio.stages.scripted import ScriptedBackend
 

@@ -5,12 +5,7 @@ from types import SimpleNamespace
 
 from omni_trio.outputs import StageInput
 from omni_trio.stages._vllm_protocol import to_stage_output
-from omni_trio.stages._vllm_streaming import (
-    collect_segments,
-    is_empty,
-    segment_stream,
-    streamable,
-)
+from omni_trio.stages._vllm_streaming import collect_segments, is_empty, segment_stream, streamable
 
 FINAL_ONLY, DELTA = "final_only", "delta"
 

@@ -1,4 +1,4 @@
-"""Reading a config file safely (``omni_trio._config_read``): unreadable, unparsable, not UTF-8,
+"""Reading a config file safely (``omni_trio.config.reading``): unreadable, unparsable, not UTF-8,
 nested too deep, duplicate keys, YAML alias bombs, numbers that are not finite, and msgspec's
 errors explained (the value found, the values allowed). Each a ConfigError naming the file
 and the exact ``$``-path.
@@ -69,7 +69,7 @@ def test_explain_validation_error_finds_enums_through_containers():
 
     import msgspec
 
-    from omni_trio._config_read import explain_validation_error
+    from omni_trio.config.reading import explain_validation_error
 
     class Color(enum.Enum):
         RED = "red"

@@ -1,4 +1,4 @@
-"""The pipeline's schema (``omni_trio._config_pipeline``): the stage graph's queries and
+"""The pipeline's schema (``omni_trio.config.pipeline``): the stage graph's queries and
 topological order (cached, without recursion on 20,000 stages), and the JSON Schema of the
 file format (``omni-trio schema``)."""
 
@@ -11,8 +11,8 @@ import omni_trio.pipelines
 from omni_trio import ConfigError, PipelineConfig, StageConfig, load_config
 from omni_trio.config import topological_order
 
-from .test_config import linear, stage
-from .test_config_read import write
+from .test_loading import linear, stage
+from .test_reading import write
 
 
 def test_loads_dict_and_indexes_stages():

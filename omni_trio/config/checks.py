@@ -1,33 +1,45 @@
 """Checking a converted pipeline: what its types alone cannot say.
 
-Converting a file to :class:`~omni_trio._config_pipeline.PipelineConfig` checks each key's
+Converting a file to :class:`~omni_trio.config.pipeline.PipelineConfig` checks each key's
 type and bounds. :func:`validate` checks the rest and raises at the first
 problem: stage ids (non-empty, unique), backends (built-in or a dotted path), each stage's
 inputs (not itself, not twice, known), an entry stage, the graph (no cycle), a final output,
 the prompt hooks (entry stages only, importable), every backend's ``options``
-(:mod:`omni_trio.stages.options`), and the placements (one Ray cluster for all).
+(:mod:`omni_trio.config.options`), and the placements (one Ray cluster for all).
 :func:`check_vllm_stages` checks vllm stages against vLLM's own fields. Every failure is a
 :class:`~omni_trio.errors.ConfigError` naming the source and the value's ``$``-path.
-Import these names from :mod:`omni_trio.config`.
+
+:func:`check_stage` is everything about one stage that can be known without starting it:
+its options (against its backend's Struct: :mod:`omni_trio.config.options`), the dotted paths
+it names (imported; a backend path must name a backend factory,
+:func:`omni_trio.config.backends.check_factory`), a torch weights file, and, when vllm is
+importable, ``engine_args`` against ``AsyncEngineArgs`` and ``default_sampling_params``
+against ``SamplingParams``. Importing this module imports neither torch nor vllm; vllm is
+imported on the first check of a vllm stage (several seconds, once per process).
 """
 
 from __future__ import annotations
 
-from ._config_pipeline import PipelineConfig
-from ._config_stage import BUILTIN_BACKENDS, PLACEMENTS, StageConfig
-from ._dotted import import_dotted, is_dotted
-from ._stage_graph import some_ids
-from .errors import ConfigError
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
-__all__ = ["check_vllm_stages", "validate"]
+from ..errors import BackendUnavailableError, ConfigError
+from .backends import BUILTIN_BACKENDS, check_factory
+from .dotted import import_dotted, is_dotted
+from .graph import some_ids
+from .options import options_type_of, parse_options, parse_torch_options, split_torch_options
+from .pipeline import PipelineConfig
+from .stage import PLACEMENTS, StageConfig
+from .vllm_fields import check_vllm_stage
+
+__all__ = ["check_stage", "check_vllm_stages", "validate"]
 
 
 def check_vllm_stages(cfg: PipelineConfig) -> None:
     """Check every vllm stage's ``engine_args`` and ``default_sampling_params`` against vLLM's
     own fields (when vllm is installed). Blocking: imports vllm (seconds, once per process).
     Raises :class:`ConfigError` naming the path."""
-    from .stages._vllm_fields import check_vllm_stage
-
     for i, st in enumerate(cfg.stages):
         if st.backend == "vllm":
             check_vllm_stage(
@@ -38,8 +50,6 @@ def check_vllm_stages(cfg: PipelineConfig) -> None:
 def validate(cfg: PipelineConfig, *, check_vllm: bool = True) -> None:
     """Check the stage graph and every stage (see the module docstring). Blocking (imports
     the modules the config names). Raises :class:`ConfigError` at the first problem."""
-    from .stages.options import check_stage
-
     src = cfg.source
     if not cfg.stages:
         raise ConfigError("a pipeline needs at least one stage", path="$.stages", source=src)
@@ -150,3 +160,78 @@ def _check_placements(stages: list[StageConfig], source: str | None) -> None:
 
 def _ray_address(address: str | None) -> str:
     return "a local Ray (no address)" if address is None else repr(address)
+
+
+def check_stage(
+    stage: StageConfig, index: int, source: str | None, *, check_vllm: bool = True
+) -> None:
+    """Check one stage as far as possible without starting it (see the module docstring).
+
+    Imports the modules its dotted paths name (and vllm, for a vllm stage, when installed).
+    Raises :class:`ConfigError` naming the path.
+    """
+    where = f"$.stages[{index}]"
+    if stage.input_processor is not None:
+        import_dotted(
+            stage.input_processor,
+            what="input_processor",
+            where=f"{where}.input_processor",
+            source=source,
+        )
+    opts_where = f"{where}.options"
+    if stage.backend == "torch":
+        _check_torch(stage.options, index, source)
+    elif stage.backend in BUILTIN_BACKENDS:
+        parse_options(
+            BUILTIN_BACKENDS[stage.backend].options,
+            stage.options,
+            where=opts_where,
+            source=source,
+            backend=stage.backend,
+        )
+    else:
+        factory = import_dotted(
+            stage.backend, what="backend", where=f"{where}.backend", source=source
+        )
+        check_factory(factory, stage.backend, where=f"{where}.backend", source=source)
+        declared = options_type_of(factory)
+        if declared is not None:
+            parse_options(declared, stage.options, where=opts_where, source=source)
+    if stage.backend == "vllm" and check_vllm:
+        check_vllm_stage(stage.engine_args, stage.default_sampling_params, where, source)
+    elif stage.backend == "scripted":
+        # the one sampling param a scripted stage reads, as vLLM would: an int >= 1
+        max_tokens = stage.default_sampling_params.get("max_tokens")
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
+            raise ConfigError(
+                f"max_tokens must be an integer >= 1, got {max_tokens!r}",
+                path=f"{where}.default_sampling_params.max_tokens",
+                source=source,
+            )
+
+
+def _check_torch(options: Mapping[str, Any], index: int, source: str | None) -> None:
+    where = f"$.stages[{index}].options"
+    opts, rest = parse_torch_options(options, stage_index=index, source=source)
+    factory: object = split_torch_options(options)[2]
+    if factory is None:
+        try:
+            factory = import_dotted(
+                opts.factory, what="torch factory", where=f"{where}.factory", source=source
+            )
+        except BackendUnavailableError:
+            pass  # torch is not installed here: starting the stage says so
+    declared = options_type_of(factory)
+    if declared is not None:
+        parse_options(declared, rest, where=where, source=source)
+    weights = rest.get("weights")
+    if isinstance(weights, str) and not weights.startswith("tiny:"):
+        if not Path(weights).expanduser().is_file():
+            raise ConfigError(
+                f"weights file {weights!r} does not exist (relative paths are taken from the "
+                f"working directory, {str(Path.cwd())!r})",
+                path=f"{where}.weights",
+                source=source,
+            )

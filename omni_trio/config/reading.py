@@ -25,7 +25,7 @@ import msgspec
 import msgspec.inspect
 import yaml
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 #: A value as a YAML, TOML or JSON config file holds it, before it is checked: open by nature.
 Value: TypeAlias = Any

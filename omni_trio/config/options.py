@@ -1,4 +1,5 @@
-"""The built-in backends' options, declared as msgspec Structs, and the load-time stage checks.
+"""The built-in backends' options, declared as msgspec Structs, and how a stage's options are
+read.
 
 A stage's ``options:`` mapping is converted with its backend's Struct when the config is
 loaded, so an unknown or ill-typed option is a :class:`~omni_trio.errors.ConfigError` naming
@@ -10,41 +11,30 @@ the factory an ``Options`` class attribute that is a ``msgspec.Struct`` type (it
 checked at load; without one, ``options`` is passed through unchecked). A torch factory may do
 the same for the options the torch backend hands on to it.
 
-:func:`check_stage` is everything about one stage that can be known without starting it:
-options, dotted paths (imported and checked callable; a backend path must name a backend
-factory, :func:`~omni_trio.stages.factory.check_factory`), a torch weights file, and, when
-vllm is importable, ``engine_args`` against ``AsyncEngineArgs`` and ``default_sampling_params``
-against ``SamplingParams``. Importing this module imports neither torch nor vllm; vllm is
-imported on the first check of a vllm stage (several seconds, once per process).
+Which Struct a built-in backend's options are checked with is in its registry entry
+(:data:`omni_trio.config.backends.BUILTIN_BACKENDS`); the checks run at load
+(:func:`omni_trio.config.checks.check_stage`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from msgspec import Meta
 
-from .._config_read import explain_validation_error
-from .._dotted import DOTTED_PATTERN, import_dotted, is_dotted
-from ..errors import BackendUnavailableError, ConfigError
-from ._vllm_fields import check_vllm_stage
-from .factory import resolve_factory
-
-if TYPE_CHECKING:
-    from ..config import StageConfig
+from ..errors import ConfigError
+from .dotted import DOTTED_PATTERN, is_dotted
+from .reading import explain_validation_error
 
 __all__ = [
-    "BUILTIN_OPTIONS",
     "DEFAULT_RECORD",
     "DEFAULT_TORCH_FACTORY",
     "ScriptedOptions",
     "TorchOptions",
     "VllmOptions",
-    "check_stage",
     "options_type_of",
     "parse_options",
     "parse_torch_options",
@@ -150,12 +140,6 @@ class VllmOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     ] = 10.0
 
 
-BUILTIN_OPTIONS: dict[str, type[msgspec.Struct]] = {
-    "scripted": ScriptedOptions,
-    "torch": TorchOptions,
-    "vllm": VllmOptions,
-}
-
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -226,53 +210,6 @@ def options_type_of(factory: object) -> type[msgspec.Struct] | None:
     return None
 
 
-def check_stage(
-    stage: StageConfig, index: int, source: str | None, *, check_vllm: bool = True
-) -> None:
-    """Check one stage as far as possible without starting it (see the module docstring).
-
-    Imports the modules its dotted paths name (and vllm, for a vllm stage, when installed).
-    Raises :class:`ConfigError` naming the path.
-    """
-    where = f"$.stages[{index}]"
-    if stage.input_processor is not None:
-        import_dotted(
-            stage.input_processor,
-            what="input_processor",
-            where=f"{where}.input_processor",
-            source=source,
-        )
-    opts_where = f"{where}.options"
-    if stage.backend == "torch":
-        _check_torch(stage.options, index, source)
-    elif stage.backend in BUILTIN_OPTIONS:
-        parse_options(
-            BUILTIN_OPTIONS[stage.backend],
-            stage.options,
-            where=opts_where,
-            source=source,
-            backend=stage.backend,
-        )
-    else:
-        factory = resolve_factory(stage.backend, where=f"{where}.backend", source=source)
-        declared = options_type_of(factory)
-        if declared is not None:
-            parse_options(declared, stage.options, where=opts_where, source=source)
-    if stage.backend == "vllm" and check_vllm:
-        check_vllm_stage(stage.engine_args, stage.default_sampling_params, where, source)
-    elif stage.backend == "scripted":
-        # the one sampling param a scripted stage reads, as vLLM would: an int >= 1
-        max_tokens = stage.default_sampling_params.get("max_tokens")
-        if max_tokens is not None and (
-            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
-        ):
-            raise ConfigError(
-                f"max_tokens must be an integer >= 1, got {max_tokens!r}",
-                path=f"{where}.default_sampling_params.max_tokens",
-                source=source,
-            )
-
-
 def parse_torch_options(
     options: Mapping[str, Any], *, stage_index: int = 0, source: str | None = None
 ) -> tuple[TorchOptions, dict[str, Any]]:
@@ -289,28 +226,3 @@ def parse_torch_options(
             source=source,
         )
     return opts, factory_options
-
-
-def _check_torch(options: Mapping[str, Any], index: int, source: str | None) -> None:
-    where = f"$.stages[{index}].options"
-    opts, rest = parse_torch_options(options, stage_index=index, source=source)
-    factory: object = split_torch_options(options)[2]
-    if factory is None:
-        try:
-            factory = import_dotted(
-                opts.factory, what="torch factory", where=f"{where}.factory", source=source
-            )
-        except BackendUnavailableError:
-            pass  # torch is not installed here: starting the stage says so
-    declared = options_type_of(factory)
-    if declared is not None:
-        parse_options(declared, rest, where=where, source=source)
-    weights = rest.get("weights")
-    if isinstance(weights, str) and not weights.startswith("tiny:"):
-        if not Path(weights).expanduser().is_file():
-            raise ConfigError(
-                f"weights file {weights!r} does not exist (relative paths are taken from the "
-                f"working directory, {str(Path.cwd())!r})",
-                path=f"{where}.weights",
-                source=source,
-            )

@@ -1,11 +1,11 @@
 """The pipeline's schema: :class:`PipelineConfig`, its stage graph, and the file's JSON Schema.
 
 :class:`PipelineConfig` is the msgspec struct a whole pipeline file is converted to: its
-stages (:class:`~omni_trio._config_stage.StageConfig`) and the engine-level settings of a
+stages (:class:`~omni_trio.config.stage.StageConfig`) and the engine-level settings of a
 session. Its graph queries (index of a stage, downstream, ancestors, topological order) are
-answered from a :class:`~omni_trio._stage_graph.StageGraph` built once and cached on the
+answered from a :class:`~omni_trio.config.graph.StageGraph` built once and cached on the
 config. :func:`config_schema` is the JSON Schema of the file format (``omni-trio schema``).
-Import these names from :mod:`omni_trio.config`.
+Import these names from :mod:`omni_trio.config.loading`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from ._config_read import Value, check_struct
-from ._config_stage import MAX_SLOTS, LbPolicy, StageConfig, Timeout, doc
-from ._stage_graph import StageGraph
+from .backends import BUILTIN_BACKENDS
+from .graph import StageGraph
+from .reading import Value, check_struct
+from .stage import MAX_SLOTS, LbPolicy, StageConfig, Timeout, doc
 
 __all__ = ["Admission", "PipelineConfig", "config_schema", "topological_order"]
 
@@ -129,15 +130,14 @@ def topological_order(cfg: PipelineConfig) -> list[str]:
 def config_schema() -> dict[str, Value]:
     """The JSON Schema (draft 2020-12) of a pipeline config file, options of the built-in
     backends included (chosen by each stage's ``backend``). Pure."""
-    from .stages.options import BUILTIN_OPTIONS
-
-    types: list[Value] = [PipelineConfig, *BUILTIN_OPTIONS.values()]
+    types: list[Value] = [PipelineConfig, *(b.options for b in BUILTIN_BACKENDS.values())]
     _, defs = msgspec.json.schema_components(types, ref_template="#/$defs/{name}")
     pipeline = defs["PipelineConfig"]
     pipeline["properties"].pop("source", None)
     stage = defs["StageConfig"]
     rules = []
-    for backend, options_type in BUILTIN_OPTIONS.items():
+    for backend, builtin in BUILTIN_BACKENDS.items():
+        options_type = builtin.options
         # no `required` for the default backend: a stage without `backend:` is scripted
         cond: dict[str, Value] = {"properties": {"backend": {"const": backend}}}
         if backend != "scripted":

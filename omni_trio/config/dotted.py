@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import re
 
-from .errors import BackendUnavailableError, ConfigError
+from ..errors import BackendUnavailableError, ConfigError
 
 __all__ = ["DOTTED_PATTERN", "import_dotted", "is_dotted"]
 

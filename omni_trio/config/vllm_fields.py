@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import importlib.util
 import sys
+import threading
 import types
 import typing
 from collections.abc import Mapping
@@ -25,10 +26,14 @@ from typing import Any, Literal
 
 import msgspec
 
-from .._config_read import explain_validation_error, with_value
 from ..errors import ConfigError
+from .reading import explain_validation_error, with_value
 
-__all__ = ["check_vllm_stage", "engine_arg_types"]
+__all__ = ["VLLM_IMPORT_LOCK", "check_vllm_stage", "engine_arg_types"]
+
+#: held by every import of vllm in this process (the checks here, each vllm replica's
+#: worker): two threads importing vllm at once can deadlock on its import cycles
+VLLM_IMPORT_LOCK = threading.Lock()
 
 _ATOMS = (int, float, bool, str, type(None))
 
@@ -74,11 +79,9 @@ def engine_arg_types(engine_args_cls: type) -> dict[str, Any]:
 def _vllm() -> SimpleNamespace | None:
     if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
         return None
-    # only the two modules checked here (not AsyncLLM), under the workers' lock: vllm's
-    # import cycles can deadlock two threads importing it at once
-    from ._vllm_process import IMPORT_LOCK
-
-    with IMPORT_LOCK:
+    # only the two modules checked here (not AsyncLLM), under the lock every import of vllm
+    # in this process takes
+    with VLLM_IMPORT_LOCK:
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.sampling_params import SamplingParams

@@ -18,8 +18,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .config import OUTPUT_TYPES, OutputType, PipelineConfig, topological_order
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
+from .pipeline import PipelineConfig, topological_order
+from .stage import OUTPUT_TYPES, OutputType
 
 __all__ = [
     "OUTPUT_MODALITIES",

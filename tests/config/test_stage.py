@@ -1,12 +1,12 @@
-"""A stage's schema (``omni_trio._config_stage``): each key's type and bounds, the
+"""A stage's schema (``omni_trio.config.stage``): each key's type and bounds, the
 stage-level ``shutdown_timeout``, the replicas' upper bound, and ``placement`` (Ray)."""
 
 import pytest
 
 from omni_trio import ConfigError, load_config
 
-from .test_config import linear
-from .test_config_read import config_error, one_stage_yaml, stage_error, write
+from .test_loading import linear
+from .test_reading import config_error, one_stage_yaml, stage_error, write
 
 
 def test_bad_values_named():

@@ -1,4 +1,4 @@
-"""The checks beyond types (``omni_trio._config_check``): stage ids, backends, inputs, an
+"""The checks beyond types (``omni_trio.config.checks``): stage ids, backends, inputs, an
 entry stage, no cycle, a final output, the entry-only prompt hooks, every backend's
 ``options`` and dotted paths (imported at load), vllm stages against vLLM's own fields, and
 one Ray cluster for every Ray stage."""
@@ -10,8 +10,8 @@ import pytest
 import omni_trio.pipelines
 from omni_trio import ConfigError, load_config
 
-from .test_config import linear, stage
-from .test_config_read import stage_error
+from .test_loading import linear, stage
+from .test_reading import stage_error
 
 
 def test_unknown_input_stage_names_path():

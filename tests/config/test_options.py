@@ -1,4 +1,4 @@
-"""The backends' option Structs and the load-time stage checks (omni_trio.stages.options)."""
+"""The backends' option Structs and the load-time stage checks (omni_trio.config.options)."""
 
 import sys
 import textwrap
@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from omni_trio import ConfigError, load_config
-from omni_trio.stages.options import (
+from omni_trio.config.options import (
     DEFAULT_TORCH_FACTORY,
     ScriptedOptions,
     TorchOptions,
@@ -17,7 +17,7 @@ from omni_trio.stages.options import (
     parse_torch_options,
     split_torch_options,
 )
-from omni_trio.stages.pool import create_backend
+from omni_trio.stages.factory import create_backend
 
 
 def test_parse_options_defaults_types_and_paths():
@@ -99,7 +99,7 @@ def user_modules(tmp_path, monkeypatch):
                 Options = MyOptions
 
                 def __init__(self, config, *, stage_index, replica=0):
-                    from omni_trio.stages.options import parse_options
+                    from omni_trio.config.options import parse_options
                     self.mine = parse_options(
                         MyOptions, config.options, where=f"$.stages[{stage_index}].options"
                     )

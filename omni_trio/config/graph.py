@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["StageGraph", "few_ids", "some_ids"]
 

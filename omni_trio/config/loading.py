@@ -1,10 +1,10 @@
-"""Pipeline configuration: loading a config, with overrides, into a checked ``PipelineConfig``.
+"""Loading a pipeline config, with overrides, into a checked ``PipelineConfig``.
 
 A config comes from a YAML, TOML or JSON file, a dict, or is built directly (then each
 struct's keys, types and ranges are checked when it is built: ``PipelineConfig(stages="x")``
 raises :class:`~omni_trio.errors.ConfigError` naming ``$.stages``). Loading checks
 everything that can be known without starting an engine: unknown keys, types and ranges,
-the stage graph, every backend's ``options`` (:mod:`omni_trio.stages.options`), the dotted
+the stage graph, every backend's ``options`` (:mod:`omni_trio.config.options`), the dotted
 paths it names (imported; a backend path must name a backend factory), torch weights
 files, and vllm ``engine_args`` and
 ``default_sampling_params`` when vllm is installed. Every error is a
@@ -13,13 +13,10 @@ value, e.g. ``tiny.yaml: $.stages[1].inputs[0]: unknown input stage 'x'``.
 
 A loaded :class:`PipelineConfig` is treated as immutable: its graph (index maps, topological
 order) is computed once and cached on it. To change one, ``load_config(cfg, **overrides)``
-returns a new one. :func:`config_schema` is the JSON Schema of the file format.
+returns a new one.
 
-This module holds the loading (:func:`load_config`: reading, overrides, conversion) and is
-where every config name is imported from; the parts live in their own modules: reading a
-file safely (:mod:`omni_trio._config_read`), a stage's schema (:mod:`omni_trio._config_stage`),
-the pipeline's schema and graph (:mod:`omni_trio._config_pipeline`), the checks beyond types
-(:mod:`omni_trio._config_check`).
+This module holds the loading (:func:`load_config`: reading, overrides, conversion); the
+parts live in their own modules (see :mod:`omni_trio.config`).
 """
 
 from __future__ import annotations
@@ -31,13 +28,11 @@ from pathlib import Path
 
 import msgspec
 
-# every public name once defined here stays importable from here; `X as X` re-exports one
-# outside __all__ (mypy --strict does not re-export a plain import)
-from ._config_check import check_vllm_stages
-from ._config_check import validate as validate
-from ._config_pipeline import Admission as Admission
-from ._config_pipeline import PipelineConfig, config_schema, topological_order
-from ._config_read import (
+from ..errors import ConfigError
+from .checks import validate
+from .graph import some_ids
+from .pipeline import PipelineConfig
+from .reading import (
     Value,
     check_tree,
     explain_validation_error,
@@ -45,36 +40,9 @@ from ._config_read import (
     prechecked,
     read_config_file,
 )
-from ._config_stage import (
-    BUILTIN_BACKENDS,
-    MAX_REPLICAS,
-    OUTPUT_TYPES,
-    PLACEMENTS,
-    Placement,
-    RayPlacement,
-    StageConfig,
-)
-from ._config_stage import MAX_SLOTS as MAX_SLOTS
-from ._config_stage import LbPolicy as LbPolicy
-from ._config_stage import OutputType as OutputType
-from ._config_stage import RestartPolicy as RestartPolicy
-from ._stage_graph import some_ids
-from .errors import ConfigError
+from .stage import MAX_REPLICAS, MAX_SLOTS
 
-__all__ = [
-    "BUILTIN_BACKENDS",
-    "MAX_REPLICAS",
-    "OUTPUT_TYPES",
-    "PLACEMENTS",
-    "PipelineConfig",
-    "Placement",
-    "RayPlacement",
-    "StageConfig",
-    "check_vllm_stages",
-    "config_schema",
-    "load_config",
-    "topological_order",
-]
+__all__ = ["load_config"]
 
 _BOUND_HINTS = {
     "replicas": f" (a stage has 1 to MAX_REPLICAS = {MAX_REPLICAS} replicas; run more as "

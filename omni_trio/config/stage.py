@@ -5,7 +5,7 @@ type, bounds, default and description (the JSON Schema and ``docs/config.md`` co
 them), and the names and bounds the rest of the package shares: the built-in backends, the
 output types, :data:`MAX_REPLICAS`, :data:`MAX_SLOTS`. Converting checks one key at a time;
 what needs several keys, several stages or an import is checked by
-:mod:`omni_trio._config_check`. Import these names from :mod:`omni_trio.config`.
+:mod:`omni_trio.config.checks`. Import these names from :mod:`omni_trio.config.loading`.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from ._config_read import Value, check_struct
-from ._dotted import DOTTED_PATTERN
+from .backends import BUILTIN_BACKENDS
+from .dotted import DOTTED_PATTERN
+from .reading import Value, check_struct
 
 __all__ = [
-    "BUILTIN_BACKENDS",
     "MAX_REPLICAS",
     "MAX_SLOTS",
     "OUTPUT_TYPES",
@@ -36,7 +36,6 @@ __all__ = [
 ]
 
 OUTPUT_TYPES = ("text", "tokens", "audio", "image", "tensor")
-BUILTIN_BACKENDS = ("scripted", "vllm", "torch")
 OutputType = Literal["text", "tokens", "audio", "image", "tensor"]
 #: most replicas one stage may have (a guard against typos that would start thousands of
 #: engines; run more than this as separate pipelines)
