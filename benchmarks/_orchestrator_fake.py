@@ -35,8 +35,8 @@ import omni_trio
 from omni_trio.config import load_config
 from omni_trio.outputs import StageOutput
 from omni_trio.stages import StageBackend
-from omni_trio.stages._emit import Emit, EmitNowait, nowait_of
-from omni_trio.stages._inputs import InputStream
+from omni_trio.stages.emit import Emit, EmitNowait, nowait_of
+from omni_trio.stages.input_stream import InputStream
 
 
 class ExactStepClock(trio.abc.Clock):

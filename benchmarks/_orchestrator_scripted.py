@@ -22,7 +22,7 @@ import trio
 import omni_trio
 from omni_trio.config import load_config
 from omni_trio.outputs import StageInput, StageOutput
-from omni_trio.stages._inputs import InputStream
+from omni_trio.stages.input_stream import InputStream
 from omni_trio.stages.scripted import ScriptedBackend
 
 # (stage_id, request_id) -> perf_counter of the finished output / of the input's arrival

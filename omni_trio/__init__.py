@@ -29,7 +29,7 @@ from .outputs import (
     StageOutput,
     StageStatistics,
 )
-from .stages._abc import StageBackend
+from .stages.backend import StageBackend
 from .streams import RequestStream
 
 __version__ = "0.1.0"

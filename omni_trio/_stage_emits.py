@@ -9,7 +9,7 @@
   its routing task empties.
 
 Each is one slotted object per request-stage whose bound methods go into an
-:class:`~omni_trio.stages._emit.Emitter` (``emit`` awaited, ``emit_nowait`` its fast path):
+:class:`~omni_trio.stages.emit.Emitter` (``emit`` awaited, ``emit_nowait`` its fast path):
 a request in flight holds no closures and no cells. ``emit_nowait`` only ever delivers: it
 refuses (``False``, nothing changed) whenever the awaited ``emit`` would do anything else
 (wait, abort, raise the contract violation).
@@ -23,7 +23,7 @@ import trio
 
 from .outputs import StageOutput
 from .requests import Request
-from .stages._emit import Emitter
+from .stages.emit import Emitter
 from .transport.queue import OutputQueue
 
 __all__ = ["CollectEmit", "OutboxEmit", "PulledEmit", "Record", "deliver"]

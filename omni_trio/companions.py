@@ -29,16 +29,15 @@ import trio
 
 from .config.dotted import import_dotted
 from .context import PlannedCompanion
-from .errors import InvalidRequestError, StageError
+from .errors import InvalidRequestError, StageAborted, StageError
 from .outputs import Payload, Prompt, SamplingParams, StageInput, StageOutput
 from .routing import WholeInput
-from .stages._request_table import StageAborted
 
 if TYPE_CHECKING:
     from .requests import Request
     from .routing import StageFeed
-    from .stages._abc import StageBackend
-    from .stages._inputs import InputStream
+    from .stages.backend import StageBackend
+    from .stages.input_stream import InputStream
     from .stages.pool import StagePool
 
 __all__ = [

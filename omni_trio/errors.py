@@ -45,6 +45,7 @@ __all__ = [
     "OmniTrioError",
     "ReplicaDeadError",
     "ServerBindError",
+    "StageAborted",
     "StageError",
     "StageRPCError",
     "StageStartError",
@@ -132,6 +133,11 @@ class StageError(OmniTrioError):
         self.request_id = request_id
         self.partial_outputs: list[OmniOutput] = list(partial_outputs)
         super().__init__(message)
+
+
+class StageAborted(OmniTrioError):
+    """Raised by a replica's ``run_request`` when the request was aborted through the
+    replica's ``abort()`` (not by its caller's cancellation): an abort, not a failure."""
 
 
 class ReplicaDeadError(StageError):

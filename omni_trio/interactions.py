@@ -13,7 +13,7 @@ served (a fair lock per request, created on first use and dropped when nobody ho
 for it), so two calls from one task arrive in that order, and so do calls from several tasks
 in the order they began. A request that is admitted but not running on its entry stage yet
 (its task has not started, or it waits for a replica) is waited for, event-driven
-(:mod:`~omni_trio.stages._watch`), until it runs there; the payload is not queued anywhere
+(:mod:`~omni_trio.stages.watch`), until it runs there; the payload is not queued anywhere
 meanwhile, so cancelling the call leaves nothing behind. A request that ended, or whose entry
 stage is done with it (finished, or its run there ended), takes no more: the call returns
 ``False``.
@@ -27,9 +27,9 @@ import trio
 
 from .outputs import Payload
 from .requests import Request
-from .stages._abc import StageBackend
-from .stages._watch import wait_run
+from .stages.backend import StageBackend
 from .stages.pool import StagePool
+from .stages.watch import wait_run
 
 __all__ = ["Interactions"]
 

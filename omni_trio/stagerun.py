@@ -36,15 +36,14 @@ from ._stage_emits import CollectEmit, OutboxEmit, PulledEmit
 from ._stage_route import COMPLETED, NONE_READY, STOPPED, Ready, finish_feeds, route_stage
 from .companions import companion_key, run_with_companions
 from .config.pipeline import PipelineConfig
-from .errors import OmniTrioError, StageError
+from .errors import OmniTrioError, StageAborted, StageError
 from .lifecycle import ContractViolation
 from .observer import ObserverSet
 from .outputs import StageInput, StageOutput
 from .planning import RequestPlan, StagePath, stage_path
 from .requests import Request
 from .routing import StageFeed, WholeInput
-from .stages._emit import Emit
-from .stages._request_table import StageAborted
+from .stages.emit import Emit
 from .stages.pool import StagePool
 from .stages.processors import InputProcessor
 from .transport.queue import OutputQueue

@@ -139,7 +139,7 @@ def _deaths_of(thing: object) -> list[tuple[str, BaseException | None]]:
 def _all_replica_deaths() -> list[str]:
     # a report at a deadline: every stage replica still in memory that died
     try:
-        from omni_trio.stages._abc import StageBackend
+        from omni_trio.stages.backend import StageBackend
     except ImportError:
         return []
     gc.unfreeze()  # see _trio_task_stacks

@@ -9,7 +9,7 @@ from trio.testing import assert_checkpoints
 
 import omni_trio
 from omni_trio import InvalidRequestError
-from omni_trio.stages._watch import watched
+from omni_trio.stages.watch import watched
 from omni_trio.testing import assert_nothing_in_flight, scripted_backends, scripted_pipeline
 
 
@@ -118,7 +118,7 @@ async def test_a_stream_from_an_earlier_request_does_not_reach_a_later_one(autoj
 async def test_a_backend_without_the_hook_refuses_naming_the_stage(autojump_clock, user_module):
     mod = user_module(
         """
-        from omni_trio.stages._abc import StageBackend
+        from omni_trio.stages.backend import StageBackend
         from omni_trio.stages.scripted import ScriptedBackend
 
         class NoInteractions(ScriptedBackend):

@@ -68,7 +68,7 @@ STEPPED = """
 import trio
 from omni_trio import StageBackend, StageOutput
 from omni_trio.stages import collect_input
-from omni_trio.stages._emit import Emitter, nowait_of
+from omni_trio.stages.emit import Emitter, nowait_of
 from omni_trio.stages._vllm_outputs import RequestInbox
 from omni_trio.stages._vllm_protocol import Flow
 

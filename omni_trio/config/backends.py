@@ -7,7 +7,7 @@ what it needs. A stage with any other ``backend`` names a factory by dotted path
 (``"package.module:Factory"``); :func:`check_factory` says whether what that path names
 builds a backend, without calling it.
 
-The backend contract (:class:`omni_trio.stages._abc.StageBackend`) lives above the
+The backend contract (:class:`omni_trio.stages.backend.StageBackend`) lives above the
 config: a factory is recognised by the contract class's dotted name in its class's method
 resolution order (:data:`BACKEND_CONTRACT`), so that checking a config imports no stage code.
 """
@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 #: the class every backend derives from, as ``"module:qualname"``
-BACKEND_CONTRACT = "omni_trio.stages._abc:StageBackend"
+BACKEND_CONTRACT = "omni_trio.stages.backend:StageBackend"
 _CALL = "factory(stage_config, stage_index=i, replica=r)"
 
 

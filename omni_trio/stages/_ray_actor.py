@@ -23,11 +23,10 @@ import trio
 
 from .._heap import frozen_heap
 from ..config.stage import StageConfig
-from ..errors import OmniTrioError, StageError
+from ..errors import OmniTrioError, StageAborted, StageError
 from ..outputs import StageOutput
 from ..transport import codec
-from ._abc import StageBackend
-from ._request_table import StageAborted
+from .backend import StageBackend
 from .factory import create_backend
 
 __all__ = [

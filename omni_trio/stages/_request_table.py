@@ -31,21 +31,17 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..errors import InvalidRequestError, OmniTrioError, StageError
+from ..errors import InvalidRequestError, StageAborted, StageError
 from ..outputs import Payload, StageOutput
-from ._emit import Emit, Emitter
-from ._replica import ReplicaView
-from ._requests import RunningRequest, request_outcome
-from ._watch import _watches, notify_run
+from ._running import RunningRequest, request_outcome
+from .emit import Emit, Emitter
+from .replica import ReplicaView
+from .watch import _watches, notify_run
 
 if TYPE_CHECKING:
     from ..context import RequestContext
 
-__all__ = ["RequestTable", "StageAborted"]
-
-
-class StageAborted(OmniTrioError):
-    """Raised by ``run_request`` when the request was aborted through ``abort()``."""
+__all__ = ["RequestTable"]
 
 
 class RequestTable:
@@ -88,7 +84,7 @@ class RequestTable:
     ) -> None:
         """Record ``request_id`` as running, await ``run(emitter)`` in its own cancel scope,
         then settle its outcome (see :meth:`StageBackend.run_request
-        <omni_trio.stages._abc.StageBackend.run_request>` for what it raises). Checkpoints;
+        <omni_trio.stages.backend.StageBackend.run_request>` for what it raises). Checkpoints;
         a replica that is not ``alive()``, or an id already running here, fails at once."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if not self._alive() or request_id in self._running:
@@ -174,7 +170,7 @@ class RequestTable:
     ) -> bool:
         """Deliver ``payload`` to running ``request_id`` through ``hook`` (the backend's
         ``_interact``); see :meth:`StageBackend.interact
-        <omni_trio.stages._abc.StageBackend.interact>` for the contract. Always checkpoints."""
+        <omni_trio.stages.backend.StageBackend.interact>` for the contract. Always checkpoints."""
         await trio.lowlevel.checkpoint_if_cancelled()
         running = self._running.get(request_id)
         if running is None or running.finished:

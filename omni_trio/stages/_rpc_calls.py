@@ -1,7 +1,7 @@
 """Collective RPCs to one replica: each call in a cancel scope the replica's death ends.
 
 :class:`RpcCalls` runs a backend's ``_rpc`` hook for :meth:`StageBackend.collective_rpc
-<omni_trio.stages._abc.StageBackend.collective_rpc>`, keeps the cancel scope of every call
+<omni_trio.stages.backend.StageBackend.collective_rpc>`, keeps the cancel scope of every call
 in flight so that a dying or stopping replica fails them at once (a dead replica never
 answers), and turns what the hook raised into a typed error naming the replica. The
 replica's lifecycle stays with the backend, which hands a narrow
@@ -16,7 +16,7 @@ import trio
 
 from ..errors import ReplicaDeadError, StageRPCError
 from ..outputs import Payload
-from ._replica import ReplicaView
+from .replica import ReplicaView
 
 __all__ = ["RpcCalls", "RpcHook"]
 
@@ -45,7 +45,7 @@ class RpcCalls:
     ) -> Payload:
         """Call ``hook(method, args, kwargs)`` as one RPC on the replica (``None`` args or
         kwargs mean none); see :meth:`StageBackend.collective_rpc
-        <omni_trio.stages._abc.StageBackend.collective_rpc>` for the contract. Checkpoints."""
+        <omni_trio.stages.backend.StageBackend.collective_rpc>` for the contract. Checkpoints."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if not self._replica.alive():
             await trio.lowlevel.cancel_shielded_checkpoint()

@@ -37,8 +37,8 @@ import trio
 
 from ..outputs import StageOutput
 from ..transport.bridge import BridgeSender
-from ._emit import Emit, EmitNowait
 from ._vllm_protocol import Batch, End, Flow, engine_died, to_stage_output
+from .emit import Emit, EmitNowait
 
 __all__ = ["Item", "LiveRequest", "RequestInbox", "StepOutputs"]
 

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..outputs import StageInput
-from ._inputs import merge_inputs
+from .input_stream import merge_inputs
 
 __all__ = ["collect_segments", "is_empty", "segment_stream", "streamable"]
 

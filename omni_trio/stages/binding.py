@@ -27,9 +27,9 @@ from collections.abc import Sequence
 import trio
 
 from ..errors import NoLiveReplicaError, ReplicaDeadError
-from ._abc import StageBackend
-from ._replica import no_live_replica
+from .backend import StageBackend
 from .balancing import Balancer, ReplicaLoad
+from .replica import no_live_replica
 from .replicas import ReplicaSlot
 
 __all__ = ["ReplicaBinder"]

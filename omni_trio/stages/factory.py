@@ -18,7 +18,7 @@ from ..config.backends import BUILTIN_BACKENDS, check_factory
 from ..config.dotted import import_dotted
 from ..config.stage import StageConfig
 from ..errors import BackendUnavailableError, ConfigError
-from ._abc import StageBackend
+from .backend import StageBackend
 
 __all__ = ["RAY_BACKEND", "BackendFactory", "create_backend", "resolve_factory"]
 

@@ -11,7 +11,7 @@ import trio
 from ..errors import CollectiveRPCTimeoutError, InvalidRequestError, StageRPCError
 from ..failures import describe_failures, group_causes
 from ..outputs import Payload
-from ._abc import StageBackend
+from .backend import StageBackend
 
 __all__ = ["call_replicas", "check_rpc_timeout"]
 

@@ -48,11 +48,11 @@ from ..errors import (
 )
 from ..outputs import Payload, StageInput
 from ..transport import codec
-from ._abc import StageBackend
-from ._emit import Emit, never, nowait_of
-from ._inputs import InputStream, collect_input
 from ._ray_actor import BATCH, STARTED, ReplicaActor, raise_record
 from ._ray_link import RayLink, RemoteStream
+from .backend import StageBackend
+from .emit import Emit, never, nowait_of
+from .input_stream import InputStream, collect_input
 
 __all__ = ["RayBackend", "placement_problem"]
 

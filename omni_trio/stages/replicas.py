@@ -20,7 +20,7 @@ import trio
 
 from ..errors import StageStopError
 from ..outputs import ReplicaState, ReplicaStatistics
-from ._abc import StageBackend
+from .backend import StageBackend
 
 if TYPE_CHECKING:
     from ..config.stage import StageConfig

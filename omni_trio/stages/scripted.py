@@ -65,9 +65,9 @@ import trio
 from ..config.options import ScriptedOptions, parse_options
 from ..errors import StageError
 from ..outputs import StageInput, StageOutput
-from ._abc import StageBackend
-from ._emit import Emit, nowait_of
-from ._inputs import InputStream
+from .backend import StageBackend
+from .emit import Emit, nowait_of
+from .input_stream import InputStream
 
 __all__ = ["RecentList", "ScriptedBackend", "scripted_tokens"]
 

@@ -60,11 +60,11 @@ import trio
 from ..config.options import TorchOptions, parse_torch_options, split_torch_options
 from ..errors import BackendUnavailableError, StageError
 from ..outputs import StageInput, StageOutput
-from ._abc import StageBackend
-from ._emit import Emit
-from ._inputs import InputStream
 from ._torch_worker import ModuleInfo, forward_batch, load_module
+from .backend import StageBackend
 from .batching import BatchingStatistics, Pending, chunk_spans, context_window, decide_batch
+from .emit import Emit
+from .input_stream import InputStream
 
 __all__ = ["TorchBackend", "TorchOptions", "codes_of", "parse_torch_options"]
 

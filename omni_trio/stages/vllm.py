@@ -81,9 +81,6 @@ from ..config.options import VllmOptions, parse_options
 from ..errors import ReplicaDeadError
 from ..outputs import StageInput
 from ..transport.bridge import BridgeReceiver, open_bridge
-from ._abc import StageBackend
-from ._emit import Emit, nowait_of
-from ._inputs import InputStream, collect_input
 from ._vllm_mm import replica_scope
 from ._vllm_outputs import RequestInbox
 from ._vllm_protocol import (
@@ -101,6 +98,9 @@ from ._vllm_protocol import (
     request_options,
 )
 from ._vllm_worker import EngineWorker
+from .backend import StageBackend
+from .emit import Emit, nowait_of
+from .input_stream import InputStream, collect_input
 
 __all__ = ["CPU_ENGINE_DEFAULTS", "VllmBackend"]
 

@@ -9,8 +9,8 @@ import trio.testing
 
 from omni_trio.errors import StageError
 from omni_trio.outputs import StageOutput
-from omni_trio.stages._emit import Emitter, never, nowait_of
-from omni_trio.stages._requests import RunningRequest
+from omni_trio.stages._running import RunningRequest
+from omni_trio.stages.emit import Emitter, never, nowait_of
 from omni_trio.transport.queue import OutputQueue
 
 

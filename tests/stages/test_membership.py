@@ -19,8 +19,7 @@ from omni_trio import (
     StageStopError,
     open_engine,
 )
-from omni_trio.stages._pool_lifecycle import join_failure
-from omni_trio.stages.pool import StagePool
+from omni_trio.stages.pool import StagePool, join_failure
 from omni_trio.stages.scripted import ScriptedBackend
 from omni_trio.testing import assert_nothing_in_flight, cancel_at_every_checkpoint
 
@@ -87,7 +86,7 @@ def task_names():
 
 def added_replica_tasks():
     """How many supervising tasks of added replicas are running."""
-    return sum(1 for name in task_names() if str(name).endswith("PoolLifecycle._serve_added"))
+    return sum(1 for name in task_names() if str(name).endswith("StagePool._serve_added"))
 
 
 def states(engine):
@@ -152,7 +151,7 @@ async def test_close_while_adding_logs_the_stop_failure_of_the_cancelled_start(
 ):
     script.update(start_s=999.0, fail_stop=True)
     outcome = {}
-    with caplog.at_level(logging.WARNING, logger="omni_trio.stages._abc"):
+    with caplog.at_level(logging.WARNING, logger="omni_trio.stages.backend"):
         async with open_engine(config()) as engine:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(add_into, engine, outcome)

@@ -13,7 +13,7 @@ from omni_trio import (
 )
 from omni_trio.failures import describe_failures
 from omni_trio.outputs import StageInput
-from omni_trio.stages._request_table import StageAborted
+from omni_trio.stages import StageAborted
 from omni_trio.stages.factory import create_backend
 from omni_trio.stages.pool import StagePool
 from omni_trio.stages.scripted import ScriptedBackend

@@ -1,4 +1,4 @@
-"""A pool's replicas across the session (``_pool_lifecycle``): the parallel start, and a
+"""A pool's replicas across the session (``omni_trio.stages.pool``): the parallel start, and a
 failed start cancelling and stopping the others with every cause kept; a pool outliving its
 dead replicas; the parallel stop bounded by each replica's shutdown timeout, and stop failures
 raised after every replica stopped."""

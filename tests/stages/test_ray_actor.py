@@ -9,8 +9,8 @@ import trio
 from omni_trio import StageError, load_config
 from omni_trio.errors import ReplicaDeadError
 from omni_trio.outputs import StageInput, StageOutput
+from omni_trio.stages import StageAborted
 from omni_trio.stages._ray_actor import STARTED, ReplicaHost, error_record, raise_record
-from omni_trio.stages._request_table import StageAborted
 from omni_trio.stages.scripted import ScriptedBackend
 from omni_trio.transport import codec
 

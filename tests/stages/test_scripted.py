@@ -5,8 +5,8 @@ import trio.testing
 
 from omni_trio import ConfigError, ReplicaDeadError, StageError, load_config
 from omni_trio.outputs import StageInput
-from omni_trio.stages._inputs import collect_input
-from omni_trio.stages._request_table import StageAborted
+from omni_trio.stages import StageAborted
+from omni_trio.stages.input_stream import collect_input
 from omni_trio.stages.scripted import ScriptedBackend, scripted_tokens
 
 

@@ -25,7 +25,7 @@ from omni_trio.config.options import parse_torch_options
 from omni_trio.errors import BackendUnavailableError, ConfigError, StageError
 from omni_trio.models.vocoder import build_vocoder
 from omni_trio.outputs import StageInput, StageOutput
-from omni_trio.stages._request_table import StageAborted
+from omni_trio.stages import StageAborted
 from omni_trio.stages._torch_worker import import_torch
 from omni_trio.stages.batching import Pending, chunk_spans, context_window, decide_batch
 from omni_trio.stages.torch import TorchBackend, codes_of

@@ -27,7 +27,7 @@ import omni_trio
 from omni_trio.config import StageConfig
 from omni_trio.errors import InvalidRequestError, ReplicaDeadError, StageError, StageStopError
 from omni_trio.outputs import StageInput, StageOutput
-from omni_trio.stages._request_table import StageAborted
+from omni_trio.stages import StageAborted
 from omni_trio.stages._vllm_worker import EngineWorker
 from omni_trio.stages.vllm import THREAD_PREFIX, VllmBackend
 from omni_trio.testing import cancel_at_every_checkpoint

@@ -12,10 +12,10 @@ import trio
 import trio.testing
 
 from omni_trio.outputs import StageOutput
-from omni_trio.stages._emit import Emitter
-from omni_trio.stages._requests import RunningRequest
+from omni_trio.stages._running import RunningRequest
 from omni_trio.stages._vllm_outputs import RequestInbox
 from omni_trio.stages._vllm_protocol import END, Flow
+from omni_trio.stages.emit import Emitter
 from omni_trio.transport.queue import OutputQueue
 
 

@@ -28,33 +28,23 @@ import trio
 
 from ..errors import InvalidRequestError, ReplicaDeadError, StageRPCError, StageStopError
 from ..outputs import Payload, ReplicaState, ReplicaStatistics, SamplingParams, StageOutput
-from ._emit import Emit as Emit
-from ._emit import Emitter as Emitter
-from ._inputs import InputStream as InputStream
-from ._inputs import collect_input as collect_input
-from ._inputs import merge_inputs as merge_inputs
-from ._replica import DEFAULT_SHUTDOWN_TIMEOUT as DEFAULT_SHUTDOWN_TIMEOUT
-from ._replica import ReplicaView, death_reason, unavailable_error
-from ._replica import is_cancellation as is_cancellation
-from ._replica import no_live_replica as no_live_replica
 from ._request_table import RequestTable
-from ._request_table import StageAborted as StageAborted
 from ._rpc_calls import RpcCalls
+from .emit import Emit
+from .input_stream import InputStream
+from .replica import (
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    ReplicaView,
+    death_reason,
+    is_cancellation,
+    unavailable_error,
+)
 
 if TYPE_CHECKING:
     from ..config.stage import StageConfig
     from ..context import RequestContext
 
-__all__ = [
-    "DEFAULT_SHUTDOWN_TIMEOUT",
-    "Emit",
-    "Emitter",
-    "InputStream",
-    "StageAborted",
-    "StageBackend",
-    "collect_input",
-    "merge_inputs",
-]
+__all__ = ["StageBackend"]
 
 logger = logging.getLogger(__name__)
 

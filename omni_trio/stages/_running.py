@@ -17,7 +17,7 @@ from ..errors import StageError
 if TYPE_CHECKING:
     from ..context import RequestContext
 from ..outputs import StageOutput
-from ._emit import Emit, EmitNowait, Emitter, nowait_of
+from .emit import Emit, EmitNowait, Emitter, nowait_of
 
 __all__ = ["RequestOutcome", "RunningRequest", "request_outcome"]
 

@@ -9,10 +9,10 @@ import trio.testing
 
 from omni_trio import ReplicaDeadError, StageError, StageRPCError, StageStopError, load_config
 from omni_trio.outputs import StageInput, StageOutput
-from omni_trio.stages._abc import StageBackend
-from omni_trio.stages._replica import death_reason
-from omni_trio.stages._request_table import StageAborted
-from omni_trio.stages._requests import request_outcome
+from omni_trio.stages import StageAborted
+from omni_trio.stages._running import request_outcome
+from omni_trio.stages.backend import StageBackend
+from omni_trio.stages.replica import death_reason
 from omni_trio.stages.scripted import ScriptedBackend
 
 
@@ -149,7 +149,7 @@ async def test_death_after_readiness_fails_bound_requests(autojump_clock, caplog
         nursery.start_soon(request, "r2")
         await trio.sleep(1)
         assert b.requests_in_flight == 2
-        with caplog.at_level(logging.WARNING, logger="omni_trio.stages._abc"):
+        with caplog.at_level(logging.WARNING, logger="omni_trio.stages.backend"):
             b.end.set()
             await trio.sleep(1)
     # serve() returned by itself: the death is recorded, not raised
