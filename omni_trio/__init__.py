@@ -1,6 +1,5 @@
 """omni-trio: a trio-native structured-concurrency engine for multi-stage inference."""
 
-from .companions import Companion
 from .config import PipelineConfig, StageConfig, load_config
 from .config.stageinfo import StageInfo
 from .engine import Engine, open_engine
@@ -29,6 +28,7 @@ from .outputs import (
     StageOutput,
     StageStatistics,
 )
+from .request.companions import Companion
 from .stages.backend import StageBackend
 from .streams import RequestStream
 

@@ -9,14 +9,14 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import trio
 
-from .companions import expand_companions, load_expand_hooks
 from .config.pipeline import PipelineConfig
 from .context import RequestContext, check_request_options
 from .errors import InvalidRequestError, StageError
-from .hooks import PromptHooks
 from .orchestrator import Orchestrator
 from .outputs import OmniOutput, Payload, Prompt, SamplingParams
-from .planning import RequestPlan, RoutePlanner, prompt_to_input, resolve_sampling_params
+from .request.companions import expand_companions, load_expand_hooks
+from .request.hooks import PromptHooks
+from .request.planning import RequestPlan, RoutePlanner, prompt_to_input, resolve_sampling_params
 from .streams import RequestStream
 
 __all__ = ["RequestMaker", "abort_requests"]
@@ -68,7 +68,8 @@ class RequestMaker:
         artifacts = None
         if self._prompt_hooks:
             # after every other argument was checked (a refused call runs no hook), before the
-            # prompt is: the hooks may turn what the caller sent into a prompt (omni_trio.hooks)
+            # prompt is: the hooks may turn what the caller sent into a prompt
+            # (omni_trio.request.hooks)
             prompt, first, artifacts = self._prompt_hooks.apply(prompt, rid, plan.active)
         else:
             first = prompt_to_input(prompt)

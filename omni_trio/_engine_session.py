@@ -28,8 +28,8 @@ from .config.checks import check_vllm_stages
 from .config.pipeline import PipelineConfig
 from .errors import EngineClosedError, InvalidRequestError
 from .failures import single_leaf
-from .hooks import ArtifactKeeper
 from .orchestrator import Orchestrator
+from .request.hooks import ArtifactKeeper
 from .stages.group import StageGroup
 
 __all__ = ["EngineSession"]

@@ -23,7 +23,7 @@ __all__ = ["Artifacts", "PlannedCompanion", "RequestContext", "check_request_opt
 
 class Artifacts(Protocol):
     """What a request holds of the directories its ``prompt_transform`` hooks left: they are
-    deleted once, whoever gets there first (:mod:`omni_trio.hooks` makes them)."""
+    deleted once, whoever gets there first (:mod:`omni_trio.request.hooks` makes them)."""
 
     @property
     def removed(self) -> bool:
@@ -41,7 +41,7 @@ class Artifacts(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PlannedCompanion:
-    """A checked CFG companion (:mod:`omni_trio.companions`): its role, its id on the entry
+    """A checked CFG companion (:mod:`omni_trio.request.companions`): its role, its id on the entry
     stage, its input and params."""
 
     role: str
@@ -73,10 +73,10 @@ class RequestContext:
     #: the caller sends the entry stage's input in segments (``RequestStream.send_input``)
     streaming_input: bool = False
     #: the directories the prompt_transform hooks returned, deleted when the request ends
-    #: (:mod:`omni_trio.hooks`; weakly referenceable so that a stream dropped unentered
+    #: (:mod:`omni_trio.request.hooks`; weakly referenceable so that a stream dropped unentered
     #: still has them deleted)
     artifacts: Artifacts | None = None
-    #: the entry stage's ``prompt_expand`` companions (:mod:`omni_trio.companions`), and
+    #: the entry stage's ``prompt_expand`` companions (:mod:`omni_trio.request.companions`), and
     #: that stage
     companions: tuple[PlannedCompanion, ...] = ()
     companion_stage: str | None = None

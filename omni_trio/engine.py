@@ -34,11 +34,11 @@ from .config.pipeline import PipelineConfig
 from .config.stageinfo import StageInfo, SupportedTask, stage_infos, supported_tasks
 from .errors import InvalidRequestError
 from .health import HealthReport, assess_health
-from .hooks import PromptHooks
 from .observer import EngineObserver
 from .orchestrator import Orchestrator
 from .outputs import EngineStatistics, OmniOutput, Payload, Prompt, SamplingParams
-from .planning import stage_ref
+from .request.hooks import PromptHooks
+from .request.planning import stage_ref
 from .rpc import fan_out_rpc
 from .stages.fanout import check_rpc_timeout
 from .stages.group import StageGroup
@@ -133,7 +133,7 @@ class Engine:
         after the other arguments were checked and before the prompt is; a hook that raises
         (or returns something bad) raises :class:`InvalidRequestError` naming it and its
         stage. The directories a hook returns are deleted when the request ends, its
-        admission is refused, or its stream is dropped unentered (:mod:`omni_trio.hooks`).
+        admission is refused, or its stream is dropped unentered (:mod:`omni_trio.request.hooks`).
 
         ``streaming_input=True``: the prompt is the first input segment; send more with
         ``await stream.send_input(segment)`` and end with ``await stream.end_input()``. The
@@ -196,7 +196,7 @@ class Engine:
 
     async def interact(self, request_id: str, payload: Payload) -> bool:
         """Deliver a control payload to a live request's entry-stage backend, in order (see
-        :mod:`~omni_trio.interactions`). Returns ``True`` once the backend accepted it,
+        :mod:`~omni_trio.request.interactions`). Returns ``True`` once the backend accepted it,
         ``False`` for an unknown or ended request (or one whose entry stage is done with it);
         waits while the request has not reached its entry stage.
 

@@ -3,8 +3,8 @@
 ``Orchestrator.serve`` runs in the engine's nursery (started after the stage pools, so
 requests always stop before stages). Each admitted request runs as one task in it, under its
 own cancel scope (abort = cancel that scope), and its whole life is decided by one pure
-:class:`~omni_trio.lifecycle.RequestLifecycle`. The request's stages run under
-that scope (:class:`~omni_trio.stagerun.StageRunner`: which stage runs in which task, where its
+:class:`~omni_trio.request.lifecycle.RequestLifecycle`. The request's stages run under
+that scope (:class:`~omni_trio.request.run.StageRunner`: which stage runs in which task, where its
 outputs go). Every channel is bounded; no timer, no polling. When the request task ends, its
 terminal outputs (or its error) are queued to the consumer through the same queue as every
 other output, and nothing of the request remains here or in any stage.
@@ -13,7 +13,7 @@ Admission goes through one :class:`~omni_trio.admission.AdmissionGate`
 (``max_requests_in_flight``; at the limit wait first-in first-out or reject; pause/resume):
 ``submit_nowait`` admits synchronously when there is room, ``submit`` waits for it; a request
 gives its slot back when its task ends. A request waiting for admission is a
-:class:`~omni_trio.requests.WaitingRequest`: aborting it takes it out of the queue at once, it
+:class:`~omni_trio.request.state.WaitingRequest`: aborting it takes it out of the queue at once, it
 never runs, and its consumer gets its abort terminals as from any aborted request.
 
 The consumer gets a :class:`RequestHandle`: receive, cancel, cancel-and-wait, status. It never
@@ -28,21 +28,21 @@ from collections.abc import Mapping
 
 import trio
 
-from ._output_builder import OutputBuilder
 from .admission import AdmissionGate
 from .config.pipeline import PipelineConfig
 from .context import RequestContext
 from .errors import DuplicateRequestError, EngineClosedError, OmniTrioError
-from .hooks import remove_artifacts
-from .inputs import RequestInput
-from .interactions import Interactions
-from .lifecycle import RequestStatus
 from .observer import ObserverSet
 from .outputs import OmniOutput, Payload, StageInput
-from .planning import RequestPlan
-from .requests import Request, RequestHandle, RequestInfo, WaitingRequest
-from .routing import StageFeed
-from .stagerun import StageRunner
+from .request.feeds import StageFeed
+from .request.hooks import remove_artifacts
+from .request.interactions import Interactions
+from .request.lifecycle import RequestStatus
+from .request.output_builder import OutputBuilder
+from .request.planning import RequestPlan
+from .request.run import StageRunner
+from .request.state import Request, RequestHandle, RequestInfo, WaitingRequest
+from .request.streaming_input import RequestInput
 from .stages.pool import StagePool
 from .stages.processors import InputProcessor, load_processor
 
@@ -329,7 +329,7 @@ class Orchestrator:
         self, request_id: str, payload: Payload, *, handle: RequestHandle | None = None
     ) -> bool:
         """Deliver an interaction to a request's entry-stage backend (see
-        :mod:`~omni_trio.interactions`); ``False`` for an unknown or ended request, or one
+        :mod:`~omni_trio.request.interactions`); ``False`` for an unknown or ended request, or one
         that is not ``handle``'s. Always checkpoints; raises what the backend raises."""
         req = self._requests.get(request_id)
         if req is None or (handle is not None and not handle.refers_to(req)):

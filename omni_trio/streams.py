@@ -22,10 +22,10 @@ import trio
 
 from .context import RequestContext
 from .errors import InvalidRequestError, OmniTrioError
-from .hooks import check_not_spent, remove_artifacts
 from .outputs import OmniOutput, Prompt, StageInput
-from .planning import RequestPlan, prompt_to_input
-from .requests import RequestHandle
+from .request.hooks import check_not_spent, remove_artifacts
+from .request.planning import RequestPlan, prompt_to_input
+from .request.state import RequestHandle
 
 if TYPE_CHECKING:
     from .orchestrator import Orchestrator
@@ -165,7 +165,7 @@ class RequestStream:
 
     async def interact(self, payload: object) -> bool:
         """Deliver a control payload to this request's entry-stage backend, in order (see
-        :mod:`~omni_trio.interactions`; e.g. ``{"stop": True}`` for a scripted stage).
+        :mod:`~omni_trio.request.interactions`; e.g. ``{"stop": True}`` for a scripted stage).
         Returns ``True`` once the backend accepted it, ``False`` if the request ended or its
         entry stage is done with it; waits while the request has not reached its entry stage.
 

@@ -15,9 +15,9 @@ from trio.testing import assert_checkpoints, wait_all_tasks_blocked
 import omni_trio
 from omni_trio import Engine, OmniOutput
 from omni_trio.admission import AdmissionGate
-from omni_trio.companions import Companion
 from omni_trio.observer import EngineObserver
 from omni_trio.orchestrator import Orchestrator
+from omni_trio.request.companions import Companion
 from omni_trio.streams import RequestStream
 from omni_trio.testing import (
     assert_nothing_in_flight,

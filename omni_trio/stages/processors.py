@@ -118,7 +118,7 @@ def token_handoff(
     ``processor_options``: ``offset`` (int), ``mapping`` ({int: int}), ``vocab_size`` (int),
     ``include_text`` (bool: also hand the upstream text on as ``prompt``, for stages that
     take text, default false). A request's CFG companions (``"<stage>:<role>"`` beside
-    ``"<stage>"``, see :mod:`omni_trio.companions`) are left out: they are for processors
+    ``"<stage>"``, see :mod:`omni_trio.request.companions`) are left out: they are for processors
     written for them.
     """
     opts = options or {}

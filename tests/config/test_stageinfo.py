@@ -10,7 +10,7 @@ import pytest
 import omni_trio
 from omni_trio import InvalidRequestError, StageInfo, load_config
 from omni_trio.config.stageinfo import modality_stages, stage_infos, supported_tasks
-from omni_trio.planning import RoutePlanner, plan_request
+from omni_trio.request.planning import RoutePlanner, plan_request
 from omni_trio.testing import assert_nothing_in_flight, scripted_backends, scripted_pipeline
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from omni_trio.context import RequestContext
 from omni_trio.errors import CodecError, OmniTrioError
-from omni_trio.hooks import ArtifactKeeper
 from omni_trio.outputs import StageInput, StageOutput
+from omni_trio.request.hooks import ArtifactKeeper
 from omni_trio.transport.codec import (
     decode_context,
     decode_inputs,

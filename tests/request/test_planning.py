@@ -1,7 +1,7 @@
 import pytest
 
 from omni_trio import InvalidRequestError, load_config
-from omni_trio.planning import plan_request, resolve_sampling_params, stage_path
+from omni_trio.request.planning import plan_request, resolve_sampling_params, stage_path
 from omni_trio.testing import scripted_pipeline
 
 
@@ -44,7 +44,7 @@ def test_sampling_params_resolution():
 
 
 def test_route_planner_plans_each_route_once():
-    from omni_trio.planning import RoutePlanner
+    from omni_trio.request.planning import RoutePlanner
     from omni_trio.testing import scripted_pipeline
 
     planner = RoutePlanner(scripted_pipeline(3, final_outputs=["s1", "s2"]))

@@ -9,11 +9,11 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .config.graph import few_ids, some_ids
-from .config.pipeline import PipelineConfig
-from .config.stageinfo import modality_stages
-from .errors import InvalidRequestError
-from .outputs import SamplingParams, StageInput
+from ..config.graph import few_ids, some_ids
+from ..config.pipeline import PipelineConfig
+from ..config.stageinfo import modality_stages
+from ..errors import InvalidRequestError
+from ..outputs import SamplingParams, StageInput
 
 __all__ = [
     "RequestPlan",

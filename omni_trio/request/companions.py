@@ -27,18 +27,18 @@ from typing import TYPE_CHECKING, cast
 import outcome
 import trio
 
-from .config.dotted import import_dotted
-from .context import PlannedCompanion
-from .errors import InvalidRequestError, StageAborted, StageError
-from .outputs import Payload, Prompt, SamplingParams, StageInput, StageOutput
-from .routing import WholeInput
+from ..config.dotted import import_dotted
+from ..context import PlannedCompanion
+from ..errors import InvalidRequestError, StageAborted, StageError
+from ..outputs import Payload, Prompt, SamplingParams, StageInput, StageOutput
+from .feeds import WholeInput
 
 if TYPE_CHECKING:
-    from .requests import Request
-    from .routing import StageFeed
-    from .stages.backend import StageBackend
-    from .stages.input_stream import InputStream
-    from .stages.pool import StagePool
+    from ..stages.backend import StageBackend
+    from ..stages.input_stream import InputStream
+    from ..stages.pool import StagePool
+    from .feeds import StageFeed
+    from .state import Request
 
 __all__ = [
     "Companion",

@@ -14,8 +14,8 @@ import dataclasses
 
 import trio
 
-from .errors import InvalidRequestError
-from .outputs import StageInput
+from ..errors import InvalidRequestError
+from ..outputs import StageInput
 
 __all__ = ["RequestInput"]
 

@@ -14,7 +14,7 @@ from omni_trio import (
     StageError,
     open_engine,
 )
-from omni_trio.hooks import split_hook_result
+from omni_trio.request.hooks import split_hook_result
 
 #: where the hooks below make their directories (set per test by the ``root`` fixture)
 ROOT = Path("/nonexistent")
@@ -64,7 +64,7 @@ def root(tmp_path, monkeypatch):
     return tmp_path
 
 
-def pipeline(hook="tests.test_hooks:make_artifacts", *, entry=None, final=None, **engine):
+def pipeline(hook="tests.request.test_hooks:make_artifacts", *, entry=None, final=None, **engine):
     return {
         "stages": [
             {
@@ -127,7 +127,7 @@ async def test_the_hook_transforms_the_prompt_and_its_dirs_go_when_the_request_e
 
 async def test_hook_input_is_checked_after_the_hook(autojump_clock, root):
     # the hook may accept what the engine would not (here a dict -> text)
-    cfg = pipeline("tests.test_hooks:suffix_b")
+    cfg = pipeline("tests.request.test_hooks:suffix_b")
     async with open_engine(cfg) as engine:
         stream = engine.generate("x")
         assert stream.context.prompt == "x+b" and stream.context.artifacts is None
@@ -137,8 +137,8 @@ async def test_hook_input_is_checked_after_the_hook(autojump_clock, root):
 def two_entries():
     return {
         "stages": [
-            {"id": "a", "prompt_transform": "tests.test_hooks:make_artifacts"},
-            {"id": "b", "prompt_transform": "tests.test_hooks:suffix_b"},
+            {"id": "a", "prompt_transform": "tests.request.test_hooks:make_artifacts"},
+            {"id": "b", "prompt_transform": "tests.request.test_hooks:suffix_b"},
             {"id": "c", "inputs": ["a", "b"], "final_output": True},
         ]
     }
@@ -160,12 +160,12 @@ async def test_several_entry_hooks_run_in_config_order_on_the_route_only(autojum
 
 
 async def test_a_raising_hook_fails_only_that_request(autojump_clock, root):
-    async with open_engine(pipeline("tests.test_hooks:picky")) as engine:
+    async with open_engine(pipeline("tests.request.test_hooks:picky")) as engine:
         async with engine.generate("ok", request_id="running") as running:
             with pytest.raises(InvalidRequestError) as info:
                 engine.generate("bad", request_id="r")
             message = str(info.value)
-            assert "prompt_transform 'tests.test_hooks:picky' of stage 'a'" in message
+            assert "prompt_transform 'tests.request.test_hooks:picky' of stage 'a'" in message
             assert "request 'r'" in message and "RuntimeError: cannot decode" in message
             assert isinstance(info.value.__cause__, RuntimeError)
             # the request in flight and the engine go on
@@ -179,11 +179,11 @@ async def test_a_raising_hook_fails_only_that_request(autojump_clock, root):
 async def test_a_hook_returning_a_bad_prompt_or_dirs_is_refused_and_its_dirs_deleted(
     autojump_clock, root
 ):
-    async with open_engine(pipeline("tests.test_hooks:bad_prompt")) as engine:
+    async with open_engine(pipeline("tests.request.test_hooks:bad_prompt")) as engine:
         with pytest.raises(InvalidRequestError, match="returned a bad prompt: prompt must be"):
             engine.generate("x", request_id="r")
         assert_no_artifacts(root)
-    async with open_engine(pipeline("tests.test_hooks:relative_dir")) as engine:
+    async with open_engine(pipeline("tests.request.test_hooks:relative_dir")) as engine:
         with pytest.raises(InvalidRequestError, match="bad artifact_dirs: .*'relative/dir'"):
             engine.generate("x", request_id="r")
         assert_no_artifacts(root)  # the absolute one it returned was deleted
@@ -192,7 +192,7 @@ async def test_a_hook_returning_a_bad_prompt_or_dirs_is_refused_and_its_dirs_del
 
 async def test_dirs_deleted_when_prompt_expand_refuses_the_request(autojump_clock, root):
     cfg = pipeline()
-    cfg["stages"][0]["prompt_expand"] = "tests.test_hooks:expand_refuses"
+    cfg["stages"][0]["prompt_expand"] = "tests.request.test_hooks:expand_refuses"
     async with open_engine(cfg) as engine:
         with pytest.raises(InvalidRequestError, match="no negative prompt"):
             engine.generate("x", request_id="r")

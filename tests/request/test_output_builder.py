@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from omni_trio._output_builder import OutputBuilder
 from omni_trio.outputs import OmniOutput, StageOutput
+from omni_trio.request.output_builder import OutputBuilder
 
 BUILD = OutputBuilder([("thinker", "text"), ("talker", "audio")])
 

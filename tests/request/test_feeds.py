@@ -9,7 +9,7 @@ import trio.testing
 from omni_trio.errors import InvalidRequestError, StageError
 from omni_trio.observer import ObserverSet
 from omni_trio.outputs import StageInput, StageOutput
-from omni_trio.routing import StageFeed, WholeInput
+from omni_trio.request.feeds import StageFeed, WholeInput
 
 CHUNK = StageInput(token_ids=(1, 2, 3))
 

@@ -1,9 +1,9 @@
 """A routed stage's routing task (:func:`route_stage`), and how a stage's end is handed on.
 
-A stage of a request gets a routing task (see :mod:`omni_trio.stagerun`) when its outputs
+A stage of a request gets a routing task (see :mod:`omni_trio.request.run`) when its outputs
 are needed as they come by more than the request's own queue: an output stage that feeds
 another stage, a stage feeding a ``stream_input`` stage, or every stage while observers
-watch the engine. Its backend's emit (:class:`~omni_trio._stage_emits.OutboxEmit`) only
+watch the engine. Its backend's emit (:class:`~omni_trio.request.emits.OutboxEmit`) only
 fills the stage's bounded outbox; the routing task, the orchestrator's code and never the
 backend's call stack, takes each output from it and delivers it to the caller, to the
 observers and to the downstream stages' input processors. The outbox ends with
@@ -18,13 +18,13 @@ from collections.abc import Sequence
 
 import trio
 
-from ._stage_emits import Record, deliver
-from .errors import OmniTrioError
-from .observer import ObserverSet
-from .outputs import StageInput, StageOutput
-from .requests import Request
-from .routing import StageFeed
-from .transport.queue import OutputQueue
+from ..errors import OmniTrioError
+from ..observer import ObserverSet
+from ..outputs import StageInput, StageOutput
+from ..transport.queue import OutputQueue
+from .emits import Record, deliver
+from .feeds import StageFeed
+from .state import Request
 
 __all__ = ["COMPLETED", "NONE_READY", "STOPPED", "Ready", "finish_feeds", "route_stage"]
 

@@ -1,5 +1,5 @@
 """The ``emit`` a stage's backend gets, for each place its outputs go (see
-:mod:`omni_trio.stagerun`), and :func:`deliver`, which puts one into the consumer's queue.
+:mod:`omni_trio.request.run`), and :func:`deliver`, which puts one into the consumer's queue.
 
 - :class:`PulledEmit`: an output stage that feeds no other stage. Its outputs go straight
   into the request's bounded queue; the queue's window is the backpressure.
@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import trio
 
-from .outputs import StageOutput
-from .requests import Request
-from .stages.emit import Emitter
-from .transport.queue import OutputQueue
+from ..outputs import StageOutput
+from ..stages.emit import Emitter
+from ..transport.queue import OutputQueue
+from .state import Request
 
 __all__ = ["CollectEmit", "OutboxEmit", "PulledEmit", "Record", "deliver"]
 

@@ -4,19 +4,19 @@ order, what a stage's normal or abnormal end hands on, and what fails the reques
 import trio
 import trio.testing
 
-from omni_trio._stage_route import COMPLETED, STOPPED, finish_feeds, route_stage
 from omni_trio.errors import StageError
-from omni_trio.lifecycle import ContractViolation
 from omni_trio.observer import ObserverSet
 from omni_trio.outputs import StageInput, StageOutput
-from omni_trio.requests import Request
-from omni_trio.routing import StageFeed
+from omni_trio.request.feeds import StageFeed
+from omni_trio.request.lifecycle import ContractViolation
+from omni_trio.request.route import COMPLETED, STOPPED, finish_feeds, route_stage
+from omni_trio.request.state import Request
 from omni_trio.stages.processors import token_handoff
 from omni_trio.transport.queue import OutputQueue
 
-from .test_stage_emits import out, queued
-from .test_stage_emits import record as record_kept
-from .test_stage_emits import request as emits_request
+from .test_emits import out, queued
+from .test_emits import record as record_kept
+from .test_emits import request as emits_request
 
 
 def request() -> Request:

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from .errors import InvalidRequestError, StageError
-from .observer import ObserverSet, payload_nbytes
-from .outputs import Payload, StageInput, StageOutput
-from .stages.processors import InputProcessor, StageContext
+from ..errors import InvalidRequestError, StageError
+from ..observer import ObserverSet, payload_nbytes
+from ..outputs import Payload, StageInput, StageOutput
+from ..stages.processors import InputProcessor, StageContext
 
 if TYPE_CHECKING:
-    from .context import RequestContext
+    from ..context import RequestContext
 
 __all__ = ["StageFeed", "WholeInput"]
 

@@ -5,12 +5,12 @@ import pytest
 import trio
 import trio.testing
 
-from omni_trio._stage_emits import CollectEmit, OutboxEmit, PulledEmit, deliver
 from omni_trio.context import RequestContext
 from omni_trio.errors import StageError
 from omni_trio.outputs import StageInput, StageOutput
-from omni_trio.planning import RequestPlan
-from omni_trio.requests import Request
+from omni_trio.request.emits import CollectEmit, OutboxEmit, PulledEmit, deliver
+from omni_trio.request.planning import RequestPlan
+from omni_trio.request.state import Request
 from omni_trio.transport.queue import OutputQueue
 
 

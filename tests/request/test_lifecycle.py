@@ -2,7 +2,7 @@
 
 import pytest
 
-from omni_trio.lifecycle import ContractViolation, RequestLifecycle
+from omni_trio.request.lifecycle import ContractViolation, RequestLifecycle
 
 
 def running(outputs=("a", "b")) -> RequestLifecycle:

@@ -25,11 +25,11 @@ from collections.abc import Mapping
 
 import trio
 
-from .outputs import Payload
-from .requests import Request
-from .stages.backend import StageBackend
-from .stages.pool import StagePool
-from .stages.watch import wait_run
+from ..outputs import Payload
+from ..stages.backend import StageBackend
+from ..stages.pool import StagePool
+from ..stages.watch import wait_run
+from .state import Request
 
 __all__ = ["Interactions"]
 

@@ -52,14 +52,14 @@ from typing import TYPE_CHECKING, cast
 
 import trio
 
-from .config.dotted import import_dotted
-from .config.pipeline import PipelineConfig
-from .errors import InvalidRequestError
-from .outputs import Prompt, StageInput
+from ..config.dotted import import_dotted
+from ..config.pipeline import PipelineConfig
+from ..errors import InvalidRequestError
+from ..outputs import Prompt, StageInput
 from .planning import prompt_to_input
 
 if TYPE_CHECKING:
-    from .context import RequestContext
+    from ..context import RequestContext
 
 __all__ = [
     "ArtifactKeeper",

@@ -7,7 +7,7 @@ other task), else as tasks in a nursery. Entry stages and ``stream_input`` stage
 the request; a stage that takes its input whole starts once every upstream finished, in the
 task of the last one (without observers: until then it holds no replica binding, channel or
 task). What happens to a stage's outputs depends on who needs them
-(:func:`~omni_trio.planning.stage_path`):
+(:func:`~omni_trio.request.planning.stage_path`):
 
 - an output stage that feeds no other stage puts them, as emitted, into the request's bounded
   :class:`~omni_trio.transport.queue.OutputQueue`; the consumer builds each
@@ -17,11 +17,11 @@ task). What happens to a stage's outputs depends on who needs them
 - any other stage (an output stage that feeds another, a stage feeding a ``stream_input``
   stage, or every stage while observers watch the engine) has a routing task beside it: the
   backend's ``emit`` only fills a bounded outbox, and the routing loop
-  (:func:`~omni_trio._stage_route.route_stage`) delivers each output to the caller, to the
+  (:func:`~omni_trio.request.route.route_stage`) delivers each output to the caller, to the
   observers and to the downstream stages' input processors.
 
 Input processors and observers never run inside a backend's call stack. A stage's failure
-fails the request (:meth:`~omni_trio.requests.Request.fail`), an abort through a pool aborts
+fails the request (:meth:`~omni_trio.request.state.Request.fail`), an abort through a pool aborts
 it; nothing here decides the request's outcome.
 """
 
@@ -32,21 +32,21 @@ from functools import partial
 
 import trio
 
-from ._stage_emits import CollectEmit, OutboxEmit, PulledEmit
-from ._stage_route import COMPLETED, NONE_READY, STOPPED, Ready, finish_feeds, route_stage
+from ..config.pipeline import PipelineConfig
+from ..errors import OmniTrioError, StageAborted, StageError
+from ..observer import ObserverSet
+from ..outputs import StageInput, StageOutput
+from ..stages.emit import Emit
+from ..stages.pool import StagePool
+from ..stages.processors import InputProcessor
+from ..transport.queue import OutputQueue
 from .companions import companion_key, run_with_companions
-from .config.pipeline import PipelineConfig
-from .errors import OmniTrioError, StageAborted, StageError
+from .emits import CollectEmit, OutboxEmit, PulledEmit
+from .feeds import StageFeed, WholeInput
 from .lifecycle import ContractViolation
-from .observer import ObserverSet
-from .outputs import StageInput, StageOutput
 from .planning import RequestPlan, StagePath, stage_path
-from .requests import Request
-from .routing import StageFeed, WholeInput
-from .stages.emit import Emit
-from .stages.pool import StagePool
-from .stages.processors import InputProcessor
-from .transport.queue import OutputQueue
+from .route import COMPLETED, NONE_READY, STOPPED, Ready, finish_feeds, route_stage
+from .state import Request
 
 __all__ = ["StageRunner"]
 

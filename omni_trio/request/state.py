@@ -6,7 +6,7 @@ of the queue.
 A :class:`Request` changes only through its own methods: an abort is requested
 (:meth:`Request.request_abort`), a stage fails it (:meth:`Request.fail`), its task ends
 (:meth:`Request.end`, which decides the outcome with the pure
-:class:`~omni_trio.lifecycle.RequestLifecycle` and queues the terminal outputs or the error
+:class:`~omni_trio.request.lifecycle.RequestLifecycle` and queues the terminal outputs or the error
 to the consumer, through the same queue as every other output). "Cancel and wait until every
 stage dropped it" is written once, :meth:`Request.cancel_and_wait` (shielded: leaving a stream
 keeps that promise); an abort's own wait (:meth:`Request.aborted`) is the caller's to cancel,
@@ -22,15 +22,15 @@ from dataclasses import dataclass
 import outcome
 import trio
 
-from ._output_builder import Convert
-from .context import RequestContext
-from .errors import InvalidRequestError, OmniTrioError, StageError
-from .failures import request_error
-from .inputs import RequestInput
+from ..context import RequestContext
+from ..errors import InvalidRequestError, OmniTrioError, StageError
+from ..failures import request_error
+from ..outputs import FINISH_ABORT, OmniOutput, StageInput, StageOutput
+from ..transport.queue import OutputQueue
 from .lifecycle import RequestLifecycle, RequestStatus
-from .outputs import FINISH_ABORT, OmniOutput, StageInput, StageOutput
+from .output_builder import Convert
 from .planning import RequestPlan
-from .transport.queue import OutputQueue
+from .streaming_input import RequestInput
 
 __all__ = ["Request", "RequestHandle", "RequestInfo", "WaitingRequest"]
 

@@ -9,7 +9,7 @@ import trio.testing
 
 import omni_trio
 from omni_trio import InvalidRequestError, StageError, open_engine
-from omni_trio.companions import Companion
+from omni_trio.request.companions import Companion
 from omni_trio.stages.processors import token_handoff
 from omni_trio.stages.scripted import ScriptedBackend
 from omni_trio.testing import (
@@ -68,7 +68,7 @@ def pipeline(hook="expand", backend="scripted", replicas=1, a_latency=0.1):
                 "id": "a",
                 "backend": backend,
                 "replicas": replicas,
-                "prompt_expand": f"tests.test_companions:{hook}",
+                "prompt_expand": f"tests.request.test_companions:{hook}",
                 "options": {"outputs": 8, "latency_s": a_latency},
                 "default_sampling_params": {"max_tokens": 3},
             },
@@ -76,7 +76,7 @@ def pipeline(hook="expand", backend="scripted", replicas=1, a_latency=0.1):
                 "id": "b",
                 "inputs": ["a"],
                 "final_output": True,
-                "input_processor": "tests.test_companions:recording_processor",
+                "input_processor": "tests.request.test_companions:recording_processor",
                 "options": {"outputs": 2, "latency_s": 0.1},
             },
         ]
@@ -155,7 +155,7 @@ async def test_aborting_the_parent_aborts_its_companions(autojump_clock):
 
 
 async def test_a_failing_companion_fails_the_parent_naming_its_role(autojump_clock):
-    cfg = pipeline("expand_for_failure", backend="tests.test_companions:FailsBadCompanion")
+    cfg = pipeline("expand_for_failure", backend="tests.request.test_companions:FailsBadCompanion")
     async with open_engine(cfg) as engine:
         with pytest.raises(StageError, match="companion 'bad' of request 'r' failed on stage 'a'"):
             await engine.generate("hi", request_id="r").collect()
@@ -176,8 +176,8 @@ async def test_a_dead_replica_fails_the_parent_of_its_companion(autojump_clock):
 
 async def test_nothing_of_any_group_remains_after_mixed_requests(autojump_clock):
     rng = random.Random(7)
-    cfg = pipeline("expand_for_failure", backend="tests.test_companions:FailsBadCompanion")
-    cfg["stages"][0]["prompt_expand"] = "tests.test_companions:expand_mixed"
+    cfg = pipeline("expand_for_failure", backend="tests.request.test_companions:FailsBadCompanion")
+    cfg["stages"][0]["prompt_expand"] = "tests.request.test_companions:expand_mixed"
     outcomes = {"ok": 0, "failed": 0, "aborted": 0}
     async with open_engine(cfg) as engine:
 

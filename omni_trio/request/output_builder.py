@@ -1,12 +1,12 @@
 """The :class:`OutputBuilder`: the :class:`~omni_trio.outputs.OmniOutput` a caller gets for a
 stage's output (a :data:`Convert`; the orchestrator makes one per engine, each
-:class:`~omni_trio.requests.Request` holds it)."""
+:class:`~omni_trio.request.state.Request` holds it)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .outputs import OmniOutput, StageOutput
+from ..outputs import OmniOutput, StageOutput
 
 __all__ = ["Convert", "OutputBuilder"]
 
