@@ -2,7 +2,7 @@
 
 One ``open_engine`` of a chain of tiny vLLM stages (``--stages``, one core per stage or all on
 core 0 with ``--layout``), then phases that alternate between the heap as it is and the heap
-frozen by ``omni_trio._heap.frozen_heap`` (what ``serve_engine`` and the command line's
+frozen by ``omni_trio.heap.frozen_heap`` (what ``serve_engine`` and the command line's
 ``run`` do once their engine is up). Each phase runs ``--seconds`` of load, batches of
 ``--requests`` requests x ``--tokens`` tokens per stage, and reports per collector
 generation how many collections ran, their total and longest milliseconds (``gc.callbacks``),
@@ -36,7 +36,7 @@ import trio
 from _vllm_pipeline_cells import omni_batch, omni_config
 
 import omni_trio
-from omni_trio._heap import frozen_heap
+from omni_trio.heap import frozen_heap
 
 
 class Pauses:

@@ -62,7 +62,7 @@ import trio
 import omni_trio
 from omni_trio import ReplicaDeadError, StageError, load_config
 from omni_trio.config import PipelineConfig
-from omni_trio.engine import Engine
+from omni_trio.engine.engine import Engine
 
 STAGES = ("s0", "s1", "s2")
 MIDDLE = "s1"

@@ -2,7 +2,9 @@
 
 from .config import PipelineConfig, StageConfig, load_config
 from .config.stageinfo import StageInfo
-from .engine import Engine, open_engine
+from .engine.engine import Engine, open_engine
+from .engine.health import HealthReport, ReplicaHealth, StageHealth
+from .engine.streams import RequestStream
 from .errors import (
     BackendUnavailableError,
     CollectiveRPCTimeoutError,
@@ -19,7 +21,6 @@ from .errors import (
     StageStartError,
     StageStopError,
 )
-from .health import HealthReport, ReplicaHealth, StageHealth
 from .outputs import (
     EngineStatistics,
     OmniOutput,
@@ -30,7 +31,6 @@ from .outputs import (
 )
 from .request.companions import Companion
 from .stages.backend import StageBackend
-from .streams import RequestStream
 
 __version__ = "0.1.0"
 

@@ -75,8 +75,8 @@ def _max_tokens(value: int | None) -> int | None:
 async def _run_pipeline(
     args: argparse.Namespace, config: PipelineConfig, prompts: Sequence[str]
 ) -> RunSummary:
-    from ._heap import frozen_heap
-    from .engine import open_engine
+    from .engine.engine import open_engine
+    from .heap import frozen_heap
     from .progress import open_engine_with_progress
 
     timer = StageTimer()

@@ -22,16 +22,17 @@ import trio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .config.pipeline import PipelineConfig
-from .engine import Engine
-from .engine import open_engine as _open_engine
-from .health import HealthReport
+from .engine.engine import Engine
+from .engine.engine import open_engine as _open_engine
+from .engine.health import HealthReport
 from .outputs import EngineStatistics, OmniOutput
 
 __all__ = ["SyncEngine", "open_engine"]
 
 
 class SyncEngine:
-    """The blocking twin of :class:`~omni_trio.engine.Engine`. Get one from :func:`open_engine`."""
+    """The blocking twin of :class:`~omni_trio.engine.engine.Engine`. Get one from
+    :func:`open_engine`."""
 
     def __init__(self, portal: BlockingPortal, engine: Engine) -> None:
         self._portal = portal

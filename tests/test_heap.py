@@ -8,8 +8,8 @@ import gc
 import sys
 import weakref
 
-from omni_trio._heap import frozen_heap
 from omni_trio.cli import main
+from omni_trio.heap import frozen_heap
 
 from .test_cli import write
 

@@ -59,7 +59,7 @@ Inputs = trio.MemoryReceiveChannel[StageInput] | WholeInput
 
 class StageRunner:
     """Runs the stages of the orchestrator's requests. Owned by the
-    :class:`~omni_trio.orchestrator.Orchestrator`."""
+    :class:`~omni_trio.engine.orchestrator.Orchestrator`."""
 
     def __init__(
         self,

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..audio import concat_audio, sample_rate_of, wav_bytes
-from ..health import HealthReport, assess_health
+from ..engine.health import HealthReport, assess_health
 from ..outputs import EngineStatistics
 from ..runner import audio_stage, text_stage
 from .bodies import (
@@ -108,7 +108,7 @@ def health_report(
     (shutdown), ``closed`` or ``unhealthy`` (``dead_stages`` and the message name every
     stage with no ready replica, and the message its replicas' states and last errors).
     Every body has ``status``, ``message`` and :func:`health_body`'s keys. Pure: takes the
-    engine's :class:`~omni_trio.health.HealthReport` (or the statistics it derives from) and
+    engine's :class:`~omni_trio.engine.health.HealthReport` (or the statistics it derives from) and
     the server's phase."""
     report = health if isinstance(health, HealthReport) else assess_health(health)
     body = health_body(report)

@@ -25,7 +25,7 @@ Metric names (all prefixed ``omni_trio_``)::
     engine_paused                                  gauge, 1 while admission is paused
 
 The stage and replica gauges come from the engine's health report
-(:func:`~omni_trio.health.assess_health` of the same snapshot), so ``/metrics`` and
+(:func:`~omni_trio.engine.health.assess_health` of the same snapshot), so ``/metrics`` and
 ``/health`` agree: a live replica is a ``ready`` one (a draining replica is not).
 """
 
@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..health import assess_health
+from ..engine.health import assess_health
 from ..observer import EngineObserver
 from ..outputs import EngineStatistics, ReplicaState
 

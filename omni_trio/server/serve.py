@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from .._heap import frozen_heap
+from ..heap import frozen_heap
 from .app import create_app
 from .connections import CUT_TIMEOUT_S, bind_socket, serve_asgi
 from .guard import DEFAULT_MAX_BODY_BYTES
@@ -95,12 +95,12 @@ async def serve_engine(
     engine`` (the command line's progress display: :mod:`omni_trio.progress`).
     ``freeze_heap``: once the stages are up, leave the startup heap (vLLM, torch) out of
     the garbage collector's full collections while serving, as vLLM's API server does
-    (:func:`~omni_trio._heap.frozen_heap`: a full collection otherwise stops the process for
+    (:func:`~omni_trio.heap.frozen_heap`: a full collection otherwise stops the process for
     ~0.4 s with vLLM loaded); process-wide, undone when serving ends.
 
     Raises ConfigError (synchronously, before listening), ServerBindError (the address is
     taken: at once, not after the stages started) or StageStartError."""
-    from ..engine import open_engine
+    from ..engine.engine import open_engine
 
     engine = open_engine(config, **overrides)
     listening = bind_socket(host, port)

@@ -21,9 +21,9 @@ from typing import Any
 import msgspec
 import trio
 
-from .._heap import frozen_heap
 from ..config.stage import StageConfig
 from ..errors import OmniTrioError, StageAborted, StageError
+from ..heap import frozen_heap
 from ..outputs import StageOutput
 from ..transport import codec
 from .backend import StageBackend

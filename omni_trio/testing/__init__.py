@@ -21,7 +21,7 @@ from typing import Any
 
 from ..config.loading import load_config
 from ..config.pipeline import PipelineConfig
-from ..engine import Engine
+from ..engine.engine import Engine
 from ..stages.scripted import ScriptedBackend, scripted_tokens
 from ._checks import assert_nothing_in_flight, in_flight_problems, wait_until_idle
 from .cancellation import CancellationFailure, CancellationReport, cancel_at_every_checkpoint

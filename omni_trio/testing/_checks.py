@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..engine import Engine
+from ..engine.engine import Engine
 
 __all__ = ["assert_nothing_in_flight", "in_flight_problems", "wait_until_idle"]
 

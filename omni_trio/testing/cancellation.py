@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import trio
 
-from ..engine import Engine
+from ..engine.engine import Engine
 from ._checks import in_flight_problems, wait_until_idle
 
 __all__ = ["CancellationFailure", "CancellationReport", "cancel_at_every_checkpoint"]

@@ -10,7 +10,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from omni_trio.config import PipelineConfig
-from omni_trio.health import assess_health
+from omni_trio.engine.health import assess_health
 from omni_trio.outputs import EngineStatistics, ReplicaStatistics, StageStatistics
 from omni_trio.server.app import health_report
 from omni_trio.server.lifecycle import ServerPhase

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 import omni_trio
-from omni_trio.health import HealthReport, ReplicaHealth, assess_health
+from omni_trio.engine.health import HealthReport, ReplicaHealth, assess_health
 from omni_trio.outputs import EngineStatistics, ReplicaState, ReplicaStatistics, StageStatistics
 from omni_trio.testing import scripted_pipeline
 

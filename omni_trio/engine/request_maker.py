@@ -1,6 +1,6 @@
 """The engine's request calls: a request's stream from ``generate()``'s arguments (its route,
 sampling params, context, prompt hooks and companions), and aborting several requests at once.
-Used by :class:`~omni_trio.engine.Engine`, which documents both."""
+Used by :class:`~omni_trio.engine.engine.Engine`, which documents both."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import trio
 
-from .config.pipeline import PipelineConfig
-from .context import RequestContext, check_request_options
-from .errors import InvalidRequestError, StageError
+from ..config.pipeline import PipelineConfig
+from ..context import RequestContext, check_request_options
+from ..errors import InvalidRequestError, StageError
+from ..outputs import OmniOutput, Payload, Prompt, SamplingParams
+from ..request.companions import expand_companions, load_expand_hooks
+from ..request.hooks import PromptHooks
+from ..request.planning import RequestPlan, RoutePlanner, prompt_to_input, resolve_sampling_params
 from .orchestrator import Orchestrator
-from .outputs import OmniOutput, Payload, Prompt, SamplingParams
-from .request.companions import expand_companions, load_expand_hooks
-from .request.hooks import PromptHooks
-from .request.planning import RequestPlan, RoutePlanner, prompt_to_input, resolve_sampling_params
 from .streams import RequestStream
 
 __all__ = ["RequestMaker", "abort_requests"]
@@ -24,7 +24,7 @@ __all__ = ["RequestMaker", "abort_requests"]
 
 class RequestMaker:
     """Checks a request and makes its :class:`RequestStream` (see :meth:`Engine.generate
-    <omni_trio.engine.Engine.generate>`): routes planned once per distinct route, the entry
+    <omni_trio.engine.engine.Engine.generate>`): routes planned once per distinct route, the entry
     stages' ``prompt_transform`` and ``prompt_expand`` hooks run here."""
 
     def __init__(
@@ -133,7 +133,7 @@ async def abort_requests(
     orchestrator: Orchestrator, request_ids: Iterable[str]
 ) -> dict[str, list[OmniOutput]]:
     """Abort every request of ``request_ids`` at once and wait for all of them: ``{request_id:
-    outputs so far}`` (see :meth:`Engine.abort <omni_trio.engine.Engine.abort>`). Always
+    outputs so far}`` (see :meth:`Engine.abort <omni_trio.engine.engine.Engine.abort>`). Always
     checkpoints; cancelled before the aborts are committed, nothing happens; cancelled after,
     only the wait ends (every abort completes in the background). Raises the one failed
     request's :class:`StageError`, or a :class:`StageError` naming every failed one ``from

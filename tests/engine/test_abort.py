@@ -14,11 +14,11 @@ from trio.testing import assert_checkpoints, wait_all_tasks_blocked
 
 import omni_trio
 from omni_trio import Engine, OmniOutput
-from omni_trio.admission import AdmissionGate
+from omni_trio.engine.admission import AdmissionGate
+from omni_trio.engine.orchestrator import Orchestrator
+from omni_trio.engine.streams import RequestStream
 from omni_trio.observer import EngineObserver
-from omni_trio.orchestrator import Orchestrator
 from omni_trio.request.companions import Companion
-from omni_trio.streams import RequestStream
 from omni_trio.testing import (
     assert_nothing_in_flight,
     cancel_at_every_checkpoint,
@@ -290,8 +290,8 @@ async def test_an_aborted_waiter_has_its_artifacts_deleted_and_its_companions_ne
             "stages": [
                 {
                     "id": "a",
-                    "prompt_transform": "tests.test_engine_abort:make_artifacts",
-                    "prompt_expand": "tests.test_engine_abort:negative",
+                    "prompt_transform": "tests.engine.test_abort:make_artifacts",
+                    "prompt_expand": "tests.engine.test_abort:negative",
                     "options": {"hang": True},
                 },
                 {"id": "b", "inputs": ["a"], "final_output": True},

@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 import outcome
 import trio
 
-from .errors import CollectiveRPCTimeoutError, ReplicaDeadError, StageRPCError
-from .failures import describe_failures
-from .outputs import Payload
-from .stages.pool import StagePool
+from ..errors import CollectiveRPCTimeoutError, ReplicaDeadError, StageRPCError
+from ..failures import describe_failures
+from ..outputs import Payload
+from ..stages.pool import StagePool
 
 __all__ = ["fan_out_rpc", "merge_rpc_outcomes"]
 

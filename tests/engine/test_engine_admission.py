@@ -13,8 +13,8 @@ from trio.testing import assert_checkpoints, wait_all_tasks_blocked
 
 import omni_trio
 from omni_trio import DuplicateRequestError, EngineClosedError, EngineOverloadedError
+from omni_trio.engine.streams import RequestStream
 from omni_trio.observer import EngineObserver
-from omni_trio.streams import RequestStream
 from omni_trio.testing import assert_nothing_in_flight, scripted_pipeline
 
 

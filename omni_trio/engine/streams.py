@@ -8,7 +8,7 @@ cancelled inside it, aborts the request in every stage and waits for that before
 waits for an output, it aborts and waits the same way; breaking out of such a loop aborts the
 request when the iterator is finalized (without waiting: only ``async with`` can wait).
 
-The stream holds a narrow :class:`~omni_trio.orchestrator.RequestHandle` (receive, cancel,
+The stream holds a narrow :class:`~omni_trio.engine.orchestrator.RequestHandle` (receive, cancel,
 cancel-and-wait, status); the request itself is owned by the orchestrator.
 """
 
@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from .context import RequestContext
-from .errors import InvalidRequestError, OmniTrioError
-from .outputs import OmniOutput, Prompt, StageInput
-from .request.hooks import check_not_spent, remove_artifacts
-from .request.planning import RequestPlan, prompt_to_input
-from .request.state import RequestHandle
+from ..context import RequestContext
+from ..errors import InvalidRequestError, OmniTrioError
+from ..outputs import OmniOutput, Prompt, StageInput
+from ..request.hooks import check_not_spent, remove_artifacts
+from ..request.planning import RequestPlan, prompt_to_input
+from ..request.state import RequestHandle
 
 if TYPE_CHECKING:
     from .orchestrator import Orchestrator

@@ -1,17 +1,17 @@
 """An engine session's life: start its stages and its orchestrator, close them in order, and
-end the calls the close cancels. Owned by an :class:`~omni_trio.engine.Engine`.
+end the calls the close cancels. Owned by an :class:`~omni_trio.engine.engine.Engine`.
 
 Structure: entering the session opens one nursery. Into it go, in this order, the stages (one
 task owning every :class:`~omni_trio.stages.pool.StagePool`, hence every replica, worker
 thread and engine process; all started in parallel) and then the
-:class:`~omni_trio.orchestrator.Orchestrator` (``nursery.start(orchestrator.serve)``), which
+:class:`~omni_trio.engine.orchestrator.Orchestrator` (``nursery.start(orchestrator.serve)``), which
 owns one task per request. Leaving closes the orchestrator first (admission stops, every
 request is aborted and its consumer gets its terminal outputs) and only once every request
 ended are the stages cancelled and stopped, in parallel, each bounded by its
 ``shutdown_timeout``. The stages run under a shield while requests are in flight, so a
 cancellation from outside reaches the requests first and the stages after them: "requests
 stop before stages" is structure, not call order. The exception policy is in
-:mod:`omni_trio.engine`.
+:mod:`omni_trio.engine.engine`.
 """
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ from typing import TypeVar
 
 import trio
 
-from .config.checks import check_vllm_stages
-from .config.pipeline import PipelineConfig
-from .errors import EngineClosedError, InvalidRequestError
-from .failures import single_leaf
+from ..config.checks import check_vllm_stages
+from ..config.pipeline import PipelineConfig
+from ..errors import EngineClosedError, InvalidRequestError
+from ..failures import single_leaf
+from ..request.hooks import ArtifactKeeper
+from ..stages.group import StageGroup
 from .orchestrator import Orchestrator
-from .request.hooks import ArtifactKeeper
-from .stages.group import StageGroup
 
 __all__ = ["EngineSession"]
 
-logger = logging.getLogger("omni_trio.engine")  # where these records were always logged
+logger = logging.getLogger("omni_trio.engine.engine")  # where these records were always logged
 
 T = TypeVar("T")
 
@@ -117,7 +117,7 @@ class EngineSession:
     # -- entering and leaving --------------------------------------------------------------------
     async def enter(self) -> None:
         """Start every stage in parallel, then the orchestrator; see
-        :meth:`Engine.__aenter__ <omni_trio.engine.Engine.__aenter__>`."""
+        :meth:`Engine.__aenter__ <omni_trio.engine.engine.Engine.__aenter__>`."""
         if self._state != "new":
             raise RuntimeError("an Engine session can be entered only once")
         self._state = "starting"
@@ -208,7 +208,7 @@ class EngineSession:
             raise stop_error
 
     async def aclose(self) -> None:
-        """End the session; see :meth:`Engine.aclose <omni_trio.engine.Engine.aclose>`."""
+        """End the session; see :meth:`Engine.aclose <omni_trio.engine.engine.Engine.aclose>`."""
         self._begin_close()
         with trio.CancelScope(shield=True):
             await self._orchestrator.wait_idle()

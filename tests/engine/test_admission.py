@@ -1,4 +1,4 @@
-"""The admission gate (omni_trio.admission): the pure rule, FIFO waiting, cancelled waiters,
+"""The admission gate (omni_trio.engine.admission): the pure rule, FIFO waiting, cancelled waiters,
 the hand-over race, reject, max_waiting, pause/resume, close, checkpoints. Unit level, on
 trio alone; through the engine: test_engine_admission.py."""
 
@@ -10,7 +10,7 @@ import pytest
 import trio
 from trio.testing import assert_checkpoints, wait_all_tasks_blocked
 
-from omni_trio.admission import AdmissionGate, AdmissionStatistics, decide, grants
+from omni_trio.engine.admission import AdmissionGate, AdmissionStatistics, decide, grants
 from omni_trio.errors import EngineClosedError, EngineOverloadedError
 
 

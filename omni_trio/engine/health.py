@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
-from .outputs import EngineStatistics, ReplicaState, ReplicaStatistics, StageStatistics
+from ..outputs import EngineStatistics, ReplicaState, ReplicaStatistics, StageStatistics
 
 __all__ = [
     "HealthReport",

@@ -1,7 +1,7 @@
 """The engine session: ``open_engine()`` and the ``Engine`` users hold.
 
-The session's structure (requests stop before stages) is in :mod:`omni_trio._engine_session`;
-``generate()``'s checks and hooks are in :mod:`omni_trio._engine_requests`.
+The session's structure (requests stop before stages) is in :mod:`omni_trio.engine.session`;
+``generate()``'s checks and hooks are in :mod:`omni_trio.engine.request_maker`.
 
 Exception policy. *To the consumer* of a request (its stream's ``receive``/``async for``/
 ``collect``): that request's own outcome only: its outputs, one terminal per output stage
@@ -27,22 +27,22 @@ from typing import overload
 
 import trio
 
-from ._engine_requests import RequestMaker, abort_requests
-from ._engine_session import EngineSession
-from .config.loading import load_config
-from .config.pipeline import PipelineConfig
-from .config.stageinfo import StageInfo, SupportedTask, stage_infos, supported_tasks
-from .errors import InvalidRequestError
+from ..config.loading import load_config
+from ..config.pipeline import PipelineConfig
+from ..config.stageinfo import StageInfo, SupportedTask, stage_infos, supported_tasks
+from ..errors import InvalidRequestError
+from ..observer import EngineObserver
+from ..outputs import EngineStatistics, OmniOutput, Payload, Prompt, SamplingParams
+from ..request.hooks import PromptHooks
+from ..request.planning import stage_ref
+from ..stages.fanout import check_rpc_timeout
+from ..stages.group import StageGroup
+from ..stages.pool import StagePool
 from .health import HealthReport, assess_health
-from .observer import EngineObserver
 from .orchestrator import Orchestrator
-from .outputs import EngineStatistics, OmniOutput, Payload, Prompt, SamplingParams
-from .request.hooks import PromptHooks
-from .request.planning import stage_ref
+from .request_maker import RequestMaker, abort_requests
 from .rpc import fan_out_rpc
-from .stages.fanout import check_rpc_timeout
-from .stages.group import StageGroup
-from .stages.pool import StagePool
+from .session import EngineSession
 from .streams import RequestStream
 
 __all__ = ["Engine", "open_engine"]
@@ -363,7 +363,7 @@ class Engine:
         )
 
     def check_health(self) -> HealthReport:
-        """A frozen :class:`~omni_trio.health.HealthReport` of this session: per stage, its
+        """A frozen :class:`~omni_trio.engine.health.HealthReport` of this session: per stage, its
         ready (live) and member replicas and its waiting requests; per replica, its state,
         requests in flight, failures, restarts and last error; ``status`` ``ok``,
         ``degraded``, ``unhealthy`` (naming every stage with no ready replica) or ``closed``.

@@ -24,7 +24,7 @@ import outcome
 import trio
 from trio.lowlevel import Abort, RaiseCancelT, Task
 
-from .errors import EngineClosedError, EngineOverloadedError
+from ..errors import EngineClosedError, EngineOverloadedError
 
 __all__ = ["AdmissionGate", "AdmissionStatistics", "Decision", "Policy", "decide", "grants"]
 

@@ -9,7 +9,7 @@ outputs go). Every channel is bounded; no timer, no polling. When the request ta
 terminal outputs (or its error) are queued to the consumer through the same queue as every
 other output, and nothing of the request remains here or in any stage.
 
-Admission goes through one :class:`~omni_trio.admission.AdmissionGate`
+Admission goes through one :class:`~omni_trio.engine.admission.AdmissionGate`
 (``max_requests_in_flight``; at the limit wait first-in first-out or reject; pause/resume):
 ``submit_nowait`` admits synchronously when there is room, ``submit`` waits for it; a request
 gives its slot back when its task ends. A request waiting for admission is a
@@ -28,23 +28,23 @@ from collections.abc import Mapping
 
 import trio
 
+from ..config.pipeline import PipelineConfig
+from ..context import RequestContext
+from ..errors import DuplicateRequestError, EngineClosedError, OmniTrioError
+from ..observer import ObserverSet
+from ..outputs import OmniOutput, Payload, StageInput
+from ..request.feeds import StageFeed
+from ..request.hooks import remove_artifacts
+from ..request.interactions import Interactions
+from ..request.lifecycle import RequestStatus
+from ..request.output_builder import OutputBuilder
+from ..request.planning import RequestPlan
+from ..request.run import StageRunner
+from ..request.state import Request, RequestHandle, RequestInfo, WaitingRequest
+from ..request.streaming_input import RequestInput
+from ..stages.pool import StagePool
+from ..stages.processors import InputProcessor, load_processor
 from .admission import AdmissionGate
-from .config.pipeline import PipelineConfig
-from .context import RequestContext
-from .errors import DuplicateRequestError, EngineClosedError, OmniTrioError
-from .observer import ObserverSet
-from .outputs import OmniOutput, Payload, StageInput
-from .request.feeds import StageFeed
-from .request.hooks import remove_artifacts
-from .request.interactions import Interactions
-from .request.lifecycle import RequestStatus
-from .request.output_builder import OutputBuilder
-from .request.planning import RequestPlan
-from .request.run import StageRunner
-from .request.state import Request, RequestHandle, RequestInfo, WaitingRequest
-from .request.streaming_input import RequestInput
-from .stages.pool import StagePool
-from .stages.processors import InputProcessor, load_processor
 
 __all__ = ["Orchestrator"]
 
@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 
 class Orchestrator:
-    """Runs requests through the stage graph. Owned by an :class:`~omni_trio.engine.Engine`."""
+    """Runs requests through the stage graph. Owned by an
+    :class:`~omni_trio.engine.engine.Engine`."""
 
     def __init__(self, config: PipelineConfig, pools: Mapping[str, StagePool]) -> None:
         self.config = config
