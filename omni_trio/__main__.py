@@ -1,6 +1,6 @@
 """``python -m omni_trio``: the ``omni-trio`` command."""
 
-from .cli import run
+from .cli.main import run
 
 if __name__ == "__main__":
     run()

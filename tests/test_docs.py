@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from omni_trio._cli_args import build_parser
+from omni_trio.cli.args import build_parser
 from omni_trio.models.tiny import default_cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent

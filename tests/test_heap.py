@@ -8,10 +8,10 @@ import gc
 import sys
 import weakref
 
-from omni_trio.cli import main
+from omni_trio.cli.main import main
 from omni_trio.heap import frozen_heap
 
-from .test_cli import write
+from .cli.test_main import write
 
 
 class Node:

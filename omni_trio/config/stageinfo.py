@@ -26,10 +26,12 @@ __all__ = [
     "OUTPUT_MODALITIES",
     "StageInfo",
     "SupportedTask",
+    "audio_stage",
     "modality_stages",
     "produced_modalities",
     "stage_infos",
     "supported_tasks",
+    "text_stage",
 ]
 
 #: the output modalities a request may ask for: every stage ``output_type``
@@ -151,3 +153,21 @@ def modality_stages(
         finals = [sid for sid in stages if cfg.stage(sid).final_output]
         chosen.update(finals or stages[-1:])
     return [sid for sid in topological_order(cfg) if sid in chosen]
+
+
+def text_stage(cfg: PipelineConfig) -> str:
+    """The stage that answers in text: the first final-output text stage, else the first
+    text stage, else the entry stage. Pure."""
+    for st in cfg.stages:
+        if st.final_output and st.output_type == "text":
+            return st.id
+    for st in cfg.stages:
+        if st.output_type == "text":
+            return st.id
+    return cfg.entry_stages[0]
+
+
+def audio_stage(cfg: PipelineConfig) -> str | None:
+    """The stage whose outputs are the pipeline's audio (the last audio stage), or None."""
+    audio = [st.id for st in cfg.stages if st.output_type == "audio"]
+    return audio[-1] if audio else None

@@ -26,9 +26,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..audio import concat_audio, sample_rate_of, wav_bytes
+from ..config.stageinfo import audio_stage, text_stage
 from ..engine.health import HealthReport, assess_health
 from ..outputs import EngineStatistics
-from ..runner import audio_stage, text_stage
 from .bodies import (
     chat_chunk,
     completion_chunk,

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidRequestError
-from ..runner import audio_stage, text_stage
 
 __all__ = [
     "AUDIO_FORMATS",
@@ -26,13 +25,11 @@ __all__ = [
     "RequestValidationError",
     "RequestTooLargeError",
     "SpeechRequest",
-    "audio_stage",
     "chat_prompt",
     "decode_json",
     "parse_chat",
     "parse_completion",
     "parse_speech",
-    "text_stage",
 ]
 
 # OpenAI name -> (vLLM SamplingParams name, checker). Only keys the client sent are passed on,

@@ -92,7 +92,7 @@ async def serve_engine(
     then close the engine (aborting what is left, stopping every stage). A shutdown during
     start-up stops the starting stages at once. ``enter_engine(engine)``, if given, is the
     async context manager that starts and closes the engine instead of ``async with
-    engine`` (the command line's progress display: :mod:`omni_trio.progress`).
+    engine`` (the command line's progress display: :mod:`omni_trio.cli.progress`).
     ``freeze_heap``: once the stages are up, leave the startup heap (vLLM, torch) out of
     the garbage collector's full collections while serving, as vLLM's API server does
     (:func:`~omni_trio.heap.frozen_heap`: a full collection otherwise stops the process for

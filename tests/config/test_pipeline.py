@@ -84,7 +84,7 @@ def test_graph_helpers_are_cached_and_follow_a_new_stage_list():
 
 
 def schema_from_cli(capsys):
-    from omni_trio.cli import main
+    from omni_trio.cli.main import main
 
     assert main(["schema"]) == 0
     return json.loads(capsys.readouterr().out)

@@ -11,7 +11,7 @@ import wave
 import openai
 import pytest
 
-from omni_trio.runner import resolve_config_arg
+from omni_trio.cli.runner import resolve_config_arg
 from omni_trio.testing import scripted_backends, scripted_pipeline
 
 from .conftest import client_for, running_server, wait_until_idle

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from omni_trio.cli import main
+from omni_trio.cli.main import main
 
 STREAMING = """\
 name: one

@@ -10,7 +10,7 @@ import pytest
 
 import omni_trio
 from omni_trio import ConfigError, StageBackend, load_config
-from omni_trio.cli import main
+from omni_trio.cli.main import main
 from omni_trio.config import StageConfig
 from omni_trio.config.backends import check_factory
 from omni_trio.stages import create_backend

@@ -8,10 +8,10 @@ import pytest
 import trio
 from rich.console import Console
 
+from omni_trio.cli.progress import StartupDisplay, open_engine_with_progress, phase_label
 from omni_trio.engine.engine import open_engine
 from omni_trio.errors import StageStartError
 from omni_trio.models.progress import report_step, reporting_to
-from omni_trio.progress import StartupDisplay, open_engine_with_progress, phase_label
 
 PIPELINE = {
     "name": "slow-start",

@@ -4,7 +4,7 @@
 :class:`UsageError` is a command-line problem found after parsing (exit code 2, like the
 parser's own); :func:`load_config_arg` turns a CONFIG argument (a pipeline file or a shipped
 pipeline's name) into a loaded config. What each command does is in
-:mod:`omni_trio._cli_commands` and :mod:`omni_trio._cli_serve`; :mod:`omni_trio.cli` runs them.
+:mod:`omni_trio.cli.commands` and :mod:`omni_trio.cli.serve`; :mod:`omni_trio.cli.main` runs them.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from . import __version__
+from .. import __version__
 from .runner import resolve_config_arg
 
 if TYPE_CHECKING:
-    from .config.pipeline import PipelineConfig
+    from ..config.pipeline import PipelineConfig
 
 __all__ = ["UsageError", "build_parser", "load_config_arg"]
 
@@ -139,6 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
 def load_config_arg(arg: str) -> PipelineConfig:
     """The config a CONFIG argument names, loaded and checked. Blocking (reads the file,
     imports what it names). Raises ConfigError naming the file, or what was looked for."""
-    from .config.loading import load_config
+    from ..config.loading import load_config
 
     return load_config(resolve_config_arg(arg))

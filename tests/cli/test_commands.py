@@ -15,17 +15,17 @@ import pytest
 import trio
 
 import omni_trio
-from omni_trio._cli_commands import _until_sigint
-from omni_trio.cli import main
+from omni_trio.cli.commands import _until_sigint
+from omni_trio.cli.main import main
+from omni_trio.cli.runner import StageTimer, run_prompts
 from omni_trio.errors import StageError
-from omni_trio.runner import StageTimer, run_prompts
 from omni_trio.testing import cancel_at_every_checkpoint, scripted_pipeline, scripted_tokens
 
-from .config.test_loading import stage
-from .config.test_reading import one_stage_yaml
-from .config.test_reading import write as write_config
-from .conftest import run_bounded
-from .test_cli import LOG_NOTE, log_file, one_line_error, pipeline, write
+from ..config.test_loading import stage
+from ..config.test_reading import one_stage_yaml
+from ..config.test_reading import write as write_config
+from ..conftest import run_bounded
+from .test_main import LOG_NOTE, log_file, one_line_error, pipeline, write
 
 
 def test_validate_ok_bad_and_missing(tmp_path, capsys):

@@ -7,8 +7,8 @@ file (YAML/TOML/JSON) or the name of a shipped pipeline (``tiny-omni``).
 This module runs a command: :func:`main` parses the arguments, sets up logging (the output
 of vLLM, torch and transformers goes to a log file for the commands that start engines),
 dispatches, and turns what the command raised into one line and an exit code. The parser is
-in :mod:`omni_trio._cli_args`, the commands in :mod:`omni_trio._cli_commands` and
-:mod:`omni_trio._cli_serve`.
+in :mod:`omni_trio.cli.args`, the commands in :mod:`omni_trio.cli.commands` and
+:mod:`omni_trio.cli.serve`.
 """
 
 from __future__ import annotations
@@ -23,17 +23,18 @@ from typing import NoReturn
 
 import trio
 
+from ..errors import ConfigError, InvalidRequestError
+
 # every public name once defined here stays importable from here; `X as X` re-exports one
 # outside __all__ (mypy --strict does not re-export a plain import)
-from ._cli_args import UsageError as UsageError
-from ._cli_args import build_parser as build_parser
-from ._cli_commands import DEMO_PROMPTS as DEMO_PROMPTS
-from ._cli_commands import RANDOM_WEIGHTS_NOTE as RANDOM_WEIGHTS_NOTE
-from ._cli_commands import RuntimeFailure as RuntimeFailure
-from ._cli_commands import cmd_bench, cmd_demo, cmd_run, cmd_schema, cmd_validate
-from ._cli_serve import cmd_serve
+from .args import UsageError as UsageError
+from .args import build_parser as build_parser
+from .commands import DEMO_PROMPTS as DEMO_PROMPTS
+from .commands import RANDOM_WEIGHTS_NOTE as RANDOM_WEIGHTS_NOTE
+from .commands import RuntimeFailure as RuntimeFailure
+from .commands import cmd_bench, cmd_demo, cmd_run, cmd_schema, cmd_validate
 from .console import chatter_to_log, default_log_path, exit_process, stop_resource_tracker
-from .errors import ConfigError, InvalidRequestError
+from .serve import cmd_serve
 
 __all__ = ["main"]
 
@@ -108,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run() -> NoReturn:
     """The ``omni-trio`` program (console script, ``python -m omni_trio``): :func:`main`,
-    then a quick exit that leaves no child process (:func:`~omni_trio.console.exit_process`)."""
+    then a quick exit that leaves no child process (:func:`~omni_trio.cli.console.exit_process`)."""
     exit_process(main())
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import omni_trio
-from omni_trio._cli_args import build_parser
-from omni_trio.cli import main
+from omni_trio.cli.args import build_parser
+from omni_trio.cli.main import main
 
 
 @pytest.mark.parametrize("command", ["demo", "run", "serve", "validate", "bench"])

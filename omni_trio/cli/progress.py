@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TaskID
 from rich.text import Text
 
-from .models.progress import reporting_to
+from ..models.progress import reporting_to
 
 __all__ = ["StartupDisplay", "open_engine_with_progress", "phase_label"]
 

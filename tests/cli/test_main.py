@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from omni_trio.cli import main
+from omni_trio.cli.main import main
 
-from .conftest import engine_seconds, kill_processes, process_tree, read_until
+from ..conftest import engine_seconds, kill_processes, process_tree, read_until
 
 TWO_STAGES = """\
 name: two

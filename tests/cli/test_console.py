@@ -11,14 +11,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from omni_trio.console import default_log_path
+from omni_trio.cli.console import default_log_path
 
 pytestmark = pytest.mark.slow  # subprocesses
 
 CHATTY = """
 import logging, os, subprocess, sys, warnings
 from pathlib import Path
-from omni_trio.console import chatter_to_log
+from omni_trio.cli.console import chatter_to_log
 
 before = {k: os.environ.get(k) for k in ("VLLM_LOGGING_STREAM", "VLLM_LOGGING_LEVEL")}
 with chatter_to_log(Path(sys.argv[1])):
@@ -67,7 +67,8 @@ def test_chatter_goes_to_the_log_and_our_output_to_the_terminal(tmp_path: Path) 
 
 def test_an_empty_log_is_not_kept(tmp_path: Path) -> None:
     log = tmp_path / "quiet.log"
-    code = "import sys; from pathlib import Path; from omni_trio.console import chatter_to_log\n"
+    code = "import sys; from pathlib import Path\n"
+    code += "from omni_trio.cli.console import chatter_to_log\n"
     code += "with chatter_to_log(Path(sys.argv[1])): print('only ours')"
     proc = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True)
     assert proc.stdout == "only ours\n" and not log.exists()
@@ -76,7 +77,7 @@ def test_an_empty_log_is_not_kept(tmp_path: Path) -> None:
 EXITS = """
 import json, sys
 from multiprocessing import resource_tracker, shared_memory
-from omni_trio.console import exit_process
+from omni_trio.cli.console import exit_process
 
 block = shared_memory.SharedMemory(create=True, size=64)  # starts the resource tracker
 block.close()

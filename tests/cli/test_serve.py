@@ -22,10 +22,10 @@ import httpx
 import psutil
 import pytest
 
-from omni_trio.cli import main
+from omni_trio.cli.main import main
 
-from .conftest import EngineWaitTimeout, engine_seconds, kill_processes, process_tree
-from .test_cli import TWO_STAGES, log_file, one_line_error, pipeline, write
+from ..conftest import EngineWaitTimeout, engine_seconds, kill_processes, process_tree
+from .test_main import TWO_STAGES, log_file, one_line_error, pipeline, write
 
 
 def test_serve_on_a_taken_port_is_a_one_line_runtime_error(tmp_path, capsys):

@@ -46,7 +46,7 @@ _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 def default_log_path(command: str, *, now: float | None = None, pid: int | None = None) -> Path:
     """``$OMNI_TRIO_CACHE/logs/<command>-<date>-<time>-<pid>.log`` (cache default
     ``~/.cache/omni-trio``). Pure (reads the environment)."""
-    from .models.tiny import default_cache_dir
+    from ..models.tiny import default_cache_dir
 
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     return default_cache_dir() / "logs" / f"{command}-{stamp}-{pid or os.getpid()}.log"

@@ -1,9 +1,7 @@
 """Running prompts through an engine for the command line: stream text, save audio, time stages.
 
-Used by ``omni-trio demo`` and ``omni-trio run``; nothing here knows argparse. Also home of
-the pipeline-level choices the CLI and the server share: which stage answers in text
-(:func:`text_stage`) and which one speaks (:func:`audio_stage`), and how a CONFIG argument
-names a file or a shipped pipeline (:func:`resolve_config_arg`).
+Used by ``omni-trio demo`` and ``omni-trio run``; nothing here knows argparse. Also how a
+CONFIG argument names a file or a shipped pipeline (:func:`resolve_config_arg`).
 """
 
 from __future__ import annotations
@@ -17,74 +15,36 @@ from typing import Any, TextIO
 
 import trio
 
-from .audio import concat_audio, sample_rate_of, write_wav
-from .config.pipeline import PipelineConfig
-from .errors import ConfigError
-from .observer import EngineObserver
+from ..audio import concat_audio, sample_rate_of, write_wav
+from ..config.pipeline import PipelineConfig
+from ..config.stageinfo import audio_stage, text_stage
+from ..errors import ConfigError
+from ..observer import EngineObserver
+from ..pipelines import PIPELINES, pipeline_path
 
 __all__ = [
     "RunSummary",
     "StageTimer",
-    "audio_stage",
-    "default_pipeline",
     "format_init_table",
     "format_stage_times",
     "format_statistics",
     "resolve_config_arg",
     "run_prompts",
-    "shipped_pipelines",
-    "text_stage",
 ]
-
-_PIPELINES_DIR = Path(__file__).resolve().parent / "pipelines"
-
-
-def shipped_pipelines() -> list[str]:
-    """Names of the pipelines shipped inside the package (``tiny-omni`` ...)."""
-    return sorted(p.stem for p in _PIPELINES_DIR.glob("*.yaml"))
 
 
 def resolve_config_arg(arg: str) -> str:
     """A CONFIG argument -> a config file path: an existing file, or a shipped pipeline's
-    name. Raises ConfigError naming what was looked for."""
+    name (:data:`omni_trio.pipelines.PIPELINES`). Raises ConfigError naming what was looked
+    for."""
     if Path(arg).is_file():
         return arg
-    shipped = _PIPELINES_DIR / f"{arg}.yaml"
-    if "/" not in arg and shipped.is_file():
-        return str(shipped)
-    names = ", ".join(shipped_pipelines()) or "none installed"
+    if "/" not in arg and arg in PIPELINES:
+        return str(pipeline_path(arg))
     raise ConfigError(
-        f"no such config file, and not a shipped pipeline name (shipped: {names})", source=arg
+        f"no such config file, and not a shipped pipeline name (shipped: {', '.join(PIPELINES)})",
+        source=arg,
     )
-
-
-def default_pipeline() -> Path:
-    """The embedded tiny-omni pipeline. Raises ConfigError if it is not installed."""
-    try:
-        from .pipelines import default_pipeline_path
-    except ImportError as exc:
-        raise ConfigError(
-            f"the embedded tiny-omni pipeline is not available ({exc})", source="tiny-omni"
-        ) from exc
-    return Path(default_pipeline_path())
-
-
-def text_stage(cfg: PipelineConfig) -> str:
-    """The stage that answers in text: the first final-output text stage, else the first
-    text stage, else the entry stage. Pure."""
-    for st in cfg.stages:
-        if st.final_output and st.output_type == "text":
-            return st.id
-    for st in cfg.stages:
-        if st.output_type == "text":
-            return st.id
-    return cfg.entry_stages[0]
-
-
-def audio_stage(cfg: PipelineConfig) -> str | None:
-    """The stage whose outputs are the pipeline's audio (the last audio stage), or None."""
-    audio = [st.id for st in cfg.stages if st.output_type == "audio"]
-    return audio[-1] if audio else None
 
 
 @dataclass

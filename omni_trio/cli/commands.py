@@ -1,11 +1,11 @@
 """The one-shot ``omni-trio`` commands: ``demo``, ``run``, ``validate``, ``schema``, ``bench``.
 
 ``demo`` and ``run`` start an engine, stream each prompt's text to stdout and write audio
-outputs as WAV files (:mod:`omni_trio.runner`); ``validate`` and ``schema`` start nothing;
+outputs as WAV files (:mod:`omni_trio.cli.runner`); ``validate`` and ``schema`` start nothing;
 ``bench`` runs the benchmark scripts as subprocesses. Each ``cmd_*`` takes the parsed
-arguments and returns the exit code, or raises: :class:`~omni_trio._cli_args.UsageError`
+arguments and returns the exit code, or raises: :class:`~omni_trio.cli.args.UsageError`
 (exit 2), :class:`RuntimeFailure` (exit 1), or what the engine raised (see
-:func:`omni_trio.cli.main`). ``serve`` is in :mod:`omni_trio._cli_serve`.
+:func:`omni_trio.cli.main.main`). ``serve`` is in :mod:`omni_trio.cli.serve`.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
-from ._cli_args import UsageError, load_config_arg
+from ..pipelines import default_pipeline_path
+from .args import UsageError, load_config_arg
 from .runner import (
     RunSummary,
     StageTimer,
-    default_pipeline,
     format_init_table,
     format_stage_times,
     format_statistics,
@@ -35,7 +35,7 @@ from .runner import (
 )
 
 if TYPE_CHECKING:
-    from .config.pipeline import PipelineConfig
+    from ..config.pipeline import PipelineConfig
 
 __all__ = [
     "DEMO_PROMPTS",
@@ -75,8 +75,8 @@ def _max_tokens(value: int | None) -> int | None:
 async def _run_pipeline(
     args: argparse.Namespace, config: PipelineConfig, prompts: Sequence[str]
 ) -> RunSummary:
-    from .engine.engine import open_engine
-    from .heap import frozen_heap
+    from ..engine.engine import open_engine
+    from ..heap import frozen_heap
     from .progress import open_engine_with_progress
 
     timer = StageTimer()
@@ -104,7 +104,7 @@ async def _until_sigint(work: Callable[[], Awaitable[T]]) -> T:
 
     Ctrl-C arrives as a signal the run watches for, not as a ``KeyboardInterrupt`` trio
     injects wherever the main thread happens to be: injected inside trio's own scheduling it
-    surfaced as ``TrioInternalError`` (about one run in 20-60 of tests/test_cli.py's Ctrl-C
+    surfaced as ``TrioInternalError`` (about one run in 20-60 of tests/cli/test_main.py's Ctrl-C
     test)."""
     interrupted = False
     result: list[T] = []  # work's return value, once it returned (None is a value too)
@@ -140,7 +140,7 @@ async def _until_sigint(work: Callable[[], Awaitable[T]]) -> T:
 def cmd_demo(args: argparse.Namespace) -> int:
     _max_tokens(args.max_tokens)
     t0 = time.perf_counter()
-    config = load_config_arg(str(default_pipeline()))
+    config = load_config_arg(str(default_pipeline_path()))
     print(RANDOM_WEIGHTS_NOTE, flush=True)
     prompts = args.prompt or list(DEMO_PROMPTS)
     summary = trio.run(_until_sigint, partial(_run_pipeline, args, config, prompts))
@@ -177,7 +177,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from .config.pipeline import config_schema
+    from ..config.pipeline import config_schema
 
     print(json.dumps(config_schema(), indent=2))
     return 0

@@ -19,20 +19,20 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ._cli_args import UsageError, load_config_arg
-from .errors import StageStopError
-from .failures import leaves
+from ..errors import StageStopError
+from ..failures import leaves
+from .args import UsageError, load_config_arg
 from .runner import format_init_table, format_statistics
 
 if TYPE_CHECKING:
-    from .config.pipeline import PipelineConfig
+    from ..config.pipeline import PipelineConfig
 
 __all__ = ["cmd_serve"]
 
 
 async def _serve(args: argparse.Namespace, config: PipelineConfig) -> None:
+    from ..server.serve import serve_engine
     from .progress import open_engine_with_progress
-    from .server.serve import serve_engine
 
     shutdown = trio.Event()
     serving = False
