@@ -4,10 +4,10 @@ Everything here runs in the replica's worker thread, on an event loop the worker
 :class:`~omni_trio.transport.loop_host.LoopHost` runs there, never on the orchestrator's trio
 loop. The stage option ``loop`` picks it: a plain asyncio loop (the default), or the design
 card's ``trio.run`` + ``trio_asyncio.open_loop()``. Why asyncio by default: measured on this
-machine, the same hand-written asyncio program driving two AsyncLLMs costs 1.8-1.9 ms of CPU
-per request-stage on trio-asyncio's loop against 1.1 ms on asyncio's own (a trio scheduler
-trip, a cancel scope and a channel receive per asyncio callback). The worker's code is the
-same on both: the orchestrator stays trio, and every crossing is loop-agnostic (the host's
+machine (``benchmarks/bench_vllm_pipeline.py``), the same pipeline costs 1.3-1.4x the frontend
+CPU per request-stage with its workers on trio-asyncio's loop (a trio scheduler trip, a cancel
+scope and a channel receive per asyncio callback). The worker's code is the same on both: the
+orchestrator stays trio, and every crossing is loop-agnostic (the host's
 ``call_soon_threadsafe`` inwards, the bridge's non-blocking sends outwards).
 
 Commands (:class:`Submit`, :class:`Abort`, :class:`Resume`, :class:`Rpc`) arrive through

@@ -148,7 +148,7 @@ class VllmOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
         Meta(
             description="the event loop of the engine's worker thread: a plain asyncio loop, "
             "or trio.run with trio_asyncio.open_loop() (needs the trio-asyncio extra; "
-            "measured at about 1.7x the frontend CPU per request)"
+            "measured at 1.3-1.4x the frontend CPU per request)"
         ),
     ] = "asyncio"
 

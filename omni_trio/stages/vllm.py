@@ -2,7 +2,7 @@
 
 Each replica owns a worker thread that runs an event loop and hosts the AsyncLLM (see
 ``_vllm_worker``): a plain asyncio loop, or with ``loop: trio-asyncio`` trio with
-trio-asyncio's loop (the design card's choice, measured at about 1.7x the frontend CPU per
+trio-asyncio's loop (the design card's choice, measured at 1.3-1.4x the frontend CPU per
 request). The orchestrator's loop never runs vLLM code: requests, aborts, resumes and control
 calls are handed to the worker's loop (``EngineWorker.command``, thread-safe, never blocking);
 replies and events come back on :mod:`omni_trio.transport.bridge` channels. Outputs come back

@@ -22,9 +22,10 @@ Loop kinds (:data:`LOOP_KINDS`):
                   its own ``submit``; and an error no task retrieved is raised into the loop,
                   ending it: here it is logged, as asyncio's loop does.
 
-Measured on a 2-core machine (``benchmarks/bench_vllm_pipeline.py``), trio-asyncio's loop
-costs about 1.7x the CPU per vLLM request of asyncio's own (a trio scheduler trip and a
-channel receive per asyncio callback), so ``asyncio`` is the default wherever a kind is chosen.
+Measured on a 2-core machine (``benchmarks/bench_vllm_pipeline.py``, ``omni_ta`` against
+``omni``), vLLM engines hosted on trio-asyncio's loop cost 1.3-1.4x the frontend CPU per
+request of the same on asyncio's own (a trio scheduler trip and a channel receive per asyncio
+callback), so ``asyncio`` is the default wherever a kind is chosen.
 """
 
 from __future__ import annotations
