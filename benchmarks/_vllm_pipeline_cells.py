@@ -12,12 +12,17 @@ from omni_trio.stages._vllm_protocol import CPU_ENGINE_DEFAULTS
 
 PROMPTS = [f"request {i}: the tiny omni model sings a song about the river" for i in range(997)]
 LAYOUTS = ("core0", "spread")
-SYSTEMS = ("hand", "omni", "trio", "shared")
-#: what runs unless asked: ``trio`` and ``shared`` (the floors under omni-trio's design, with a
-#: thread per engine or one for all) only on request
+SYSTEMS = ("hand", "omni", "omni_ta", "trio", "shared")
+#: what runs unless asked: ``omni_ta`` (omni-trio with its engines on trio-asyncio's loop),
+#: ``trio`` and ``shared`` (the floors under omni-trio's design, with a thread per engine or one
+#: for all) only on request
 DEFAULT_SYSTEMS = ("hand", "omni")
-#: the floors, each compared with ``hand`` in a cell's ``{floor}_ratio`` and ``{floor}_cpu_ratio``
-FLOORS = ("trio", "shared")
+#: the systems besides ``omni`` that a cell compares with ``hand``, each in its
+#: ``{system}_ratio`` and ``{system}_cpu_ratio``
+VERSUS_HAND = ("omni_ta", "trio", "shared")
+#: the worker loop (the vllm stage option ``loop``) of each omni-trio system; a cell compares
+#: the second with the first in ``loop_ratio`` and ``loop_cpu_ratio``
+OMNI_LOOPS = {"omni": "asyncio", "omni_ta": "trio-asyncio"}
 
 
 def stage_models(n_stages: int) -> list[str]:
@@ -65,8 +70,11 @@ def plan_runs(
     return runs
 
 
-def omni_config(n_stages: int, layout: str, tokens: int, requests: int) -> dict[str, Any]:
-    """The pipeline config: a chain of vllm stages, the last one the only output stage."""
+def omni_config(
+    n_stages: int, layout: str, tokens: int, requests: int, loop: str = "asyncio"
+) -> dict[str, Any]:
+    """The pipeline config: a chain of vllm stages, the last one the only output stage, every
+    engine's worker on a ``loop`` loop."""
     greedy = {"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
     stages: list[dict[str, Any]] = []
     for k, model in enumerate(stage_models(n_stages)):
@@ -77,7 +85,7 @@ def omni_config(n_stages: int, layout: str, tokens: int, requests: int) -> dict[
             "output_type": "text" if k == 0 else "tokens",
             "final_output": k == n_stages - 1,
             "default_sampling_params": greedy,
-            "options": {"cpu_bind": bind_for(layout, k)},
+            "options": {"cpu_bind": bind_for(layout, k), "loop": loop},
         }
         if k:
             stage["inputs"] = [f"stage{k}"]

@@ -1,6 +1,7 @@
 """The subprocess of one ``bench_vllm_pipeline.py`` run: one system on one cell. ``hand``
 drives one vLLM ``AsyncLLM`` per stage from plain asyncio; ``omni`` runs the same pipeline
-through ``omni_trio.open_engine``; ``trio`` and ``shared`` are the floors under omni-trio's
+through ``omni_trio.open_engine`` (``omni_ta``: with every engine's worker on trio-asyncio's
+loop); ``trio`` and ``shared`` are the floors under omni-trio's
 design (:mod:`_vllm_pipeline_trio`). All time the same batches (:func:`run_batches`) and report
 the same fields (:func:`child_result`)."""
 
@@ -14,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from _vllm_pipeline_cells import (
+    OMNI_LOOPS,
     PROMPTS,
     bind_for,
     engine_args,
@@ -50,8 +52,10 @@ def child_main(a: argparse.Namespace) -> None:
     try:
         if a.child in ("trio", "shared"):
             result = run_trio(a, child_result, run_batches, shared=a.child == "shared")
+        elif a.child in OMNI_LOOPS:
+            result = run_omni(a, OMNI_LOOPS[a.child])
         else:
-            result = (run_hand if a.child == "hand" else run_omni)(a)
+            result = run_hand(a)
     except Exception as exc:
         # the engines are closed by now: what is still there was left by the failed run
         error = {"error": f"{type(exc).__name__}: {exc}", "children": descendants()}
@@ -183,13 +187,15 @@ def run_hand(a: argparse.Namespace) -> dict[str, Any]:
     return asyncio.run(main())
 
 
-def run_omni(a: argparse.Namespace) -> dict[str, Any]:
+def run_omni(a: argparse.Namespace, loop: str) -> dict[str, Any]:
     import trio
     import vllm.v1.engine.async_llm  # noqa: F401 (imported before the clock starts, as in run_hand)
 
     import omni_trio
+    from omni_trio.transport.loop_host import require_loop
 
-    config = omni_config(a.child_stages, a.child_layout, a.tokens, a.requests)
+    require_loop(loop)  # its import too (trio-asyncio) before the clock starts
+    config = omni_config(a.child_stages, a.child_layout, a.tokens, a.requests, loop)
     last = config["stages"][-1]["id"]
 
     async def main() -> dict[str, Any]:

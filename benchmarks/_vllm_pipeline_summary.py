@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from _vllm_pipeline_cells import FLOORS, Run, bind_for, cell_name
+from _vllm_pipeline_cells import OMNI_LOOPS, VERSUS_HAND, Run, bind_for, cell_name
 
 
 def batch_throughput(walls: Sequence[float], requests: int) -> dict[str, float]:
@@ -43,9 +43,10 @@ def paired_ratios(
     passes: Sequence[dict[str, dict[str, Any]]],
     key: Callable[[dict[str, Any]], float],
     system: str = "omni",
+    base: str = "hand",
 ) -> list[float]:
-    """``system``/hand of ``key`` for every pass where both systems produced a result."""
-    return [key(p[system]) / key(p["hand"]) for p in passes if succeeded(p, "hand", system)]
+    """``system``/``base`` of ``key`` for every pass where both systems produced a result."""
+    return [key(p[system]) / key(p[base]) for p in passes if succeeded(p, base, system)]
 
 
 def succeeded(one_pass: dict[str, dict[str, Any]], *systems: str) -> bool:
@@ -70,12 +71,17 @@ def summarize_cell(
         """``field`` of the system's result in every pass (None where it failed)."""
         return [field(p[system]) if succeeded(p, system) else None for p in passes]
 
-    floor = {}
-    for s in FLOORS:
+    versus = {}
+    for s in VERSUS_HAND:
         if s in systems:
-            # a floor under omni-trio's design, against the same hand-driven program
-            floor[f"{s}_ratio"] = spread(paired_ratios(passes, _rps, s))
-            floor[f"{s}_cpu_ratio"] = spread(paired_ratios(passes, _cpu, s))
+            # against the same hand-driven program
+            versus[f"{s}_ratio"] = spread(paired_ratios(passes, _rps, s))
+            versus[f"{s}_cpu_ratio"] = spread(paired_ratios(passes, _cpu, s))
+    first, second = OMNI_LOOPS
+    if first in systems and second in systems:
+        # omni-trio on one worker loop against the other, run for run
+        versus["loop_ratio"] = spread(paired_ratios(passes, _rps, second, first))
+        versus["loop_cpu_ratio"] = spread(paired_ratios(passes, _cpu, second, first))
     return {
         "cell": cell_name(n_stages, layout),
         "stages": n_stages,
@@ -108,7 +114,7 @@ def summarize_cell(
         "errors": {
             s: [p[s]["error"] for p in passes if s in p and "error" in p[s]] for s in systems
         },
-        **floor,
+        **versus,
     }
 
 
@@ -119,13 +125,13 @@ def summary_row(cell: dict[str, Any]) -> dict[str, Any]:
     def r3(x: float | None) -> float | None:
         return None if x is None else round(x, 3)
 
-    floor = {}
-    for s in FLOORS:
+    versus = {}
+    for s in VERSUS_HAND:
         if f"{s}_ratio" in cell:
-            floor_ratio, floor_cpu = cell[f"{s}_ratio"], cell[f"{s}_cpu_ratio"]
-            floor[f"cpu_ms_{s}"] = r3(cell["cpu_ms_per_request_stage_median"].get(s))
-            floor[f"{s}_ratio"] = floor_ratio and r3(floor_ratio["median"])
-            floor[f"{s}_cpu_ratio"] = floor_cpu and r3(floor_cpu["median"])
+            versus[f"cpu_ms_{s}"] = r3(cell["cpu_ms_per_request_stage_median"].get(s))
+    for key in [f"{s}_{kind}" for s in (*VERSUS_HAND, "loop") for kind in ("ratio", "cpu_ratio")]:
+        if key in cell:
+            versus[key] = cell[key] and r3(cell[key]["median"])
     return {
         "ratio": ratio and r3(ratio["median"]),
         "spread": ratio and [r3(ratio["min"]), r3(ratio["max"])],
@@ -146,7 +152,7 @@ def summary_row(cell: dict[str, Any]) -> dict[str, Any]:
             len(r["after_grace"]) for v in cell["leftover"].values() for r in v
         ),
         "failed_runs": sum(len(v) for v in cell["errors"].values()),
-        **floor,
+        **versus,
     }
 
 

@@ -16,6 +16,11 @@ Systems, each run in a fresh subprocess:
   one after the other and shut down one after the other with vLLM's default timeout, as a
   plain program would.
 - ``omni``: the same pipeline through ``omni_trio.open_engine``, ``output_stages=[last]``.
+- ``omni_ta`` (only with ``--systems``): ``omni`` with every vllm stage on ``loop:
+  trio-asyncio`` (each engine's worker thread runs trio with trio-asyncio's loop, the design
+  card's choice, instead of a plain asyncio loop). ``omni_ta_ratio`` and ``omni_ta_cpu_ratio``
+  compare it with ``hand``; ``loop_ratio`` and ``loop_cpu_ratio`` with ``omni``, run for run
+  (above 1: trio-asyncio's loop is faster, or costs more CPU).
 - ``trio`` (only with ``--systems``): the floor under omni-trio's design, the least a trio
   program pays to drive the same engines from worker threads with no orchestrator
   (``_vllm_pipeline_trio.py``). ``trio_ratio`` and ``trio_cpu_ratio`` compare it with
@@ -41,7 +46,7 @@ Reading the output (one JSON object on stdout; progress on stderr):
 - ``cpu_ms_by_thread`` (per run: ``cpu_split_ms``): the same, split by thread. ``loop`` is the
   main thread (omni-trio's trio loop with the orchestrator and the callers, or the hand
   program's asyncio loop with its AsyncLLMs); ``engine_threads`` are omni-trio's vllm stage
-  threads (an asyncio loop and an AsyncLLM each); ``other`` is everything else (vLLM's and
+  threads (a worker loop and an AsyncLLM each); ``other`` is everything else (vLLM's and
   ZMQ's own threads). omni-trio's ``engine_threads`` do what the hand program's ``loop``
   does; its ``loop`` is what omni-trio adds.
 - ``init_s``: engine construction to ready; ``shutdown_s``: start of close to its return.
@@ -61,7 +66,7 @@ Reading the output (one JSON object on stdout; progress on stderr):
 
     python benchmarks/bench_vllm_pipeline.py [--stages 1,2,3] [--layouts core0,spread]
         [--passes 3] [--requests 64] [--tokens 16] [--batches 3]
-        [--systems hand,omni[,trio][,shared]] [--idle-s 0] [--child-timeout 1200]
+        [--systems hand,omni[,omni_ta][,trio][,shared]] [--idle-s 0] [--child-timeout 1200]
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from omni_trio.config.options import VllmOptions, parse_options
 from omni_trio.stages._vllm_protocol import CPU_ENGINE_DEFAULTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,6 +63,12 @@ def test_omni_config_chains_token_stages_with_only_the_last_as_output() -> None:
     ]
     greedy = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
     assert all(s["default_sampling_params"] == greedy for s in stages)
+    # every engine's worker loop: asyncio unless asked (omni_ta: trio-asyncio)
+    assert [s["options"]["loop"] for s in stages] == ["asyncio"] * 3
+    ta = pipeline_cells.omni_config(2, "core0", 16, 64, pipeline_cells.OMNI_LOOPS["omni_ta"])
+    assert [s["options"]["loop"] for s in ta["stages"]] == ["trio-asyncio"] * 2
+    for k, stage in enumerate(ta["stages"]):  # valid vllm options, the loop included
+        parse_options(VllmOptions, stage["options"], where=f"$.stages[{k}].options")
 
 
 def _result(median_rps: float, cpu_ms: float, left: int = 0) -> dict[str, Any]:
@@ -150,6 +157,42 @@ def test_the_floors_are_compared_with_hand_and_only_when_they_ran() -> None:
     # they run only when asked for
     assert bench.parse_args([]).systems == ["hand", "omni"]
     assert bench.parse_args(["--systems", "hand,trio,shared"]).systems == ["hand", "trio", "shared"]
+
+
+def test_the_trio_asyncio_loop_is_compared_with_hand_and_with_omni_run_for_run() -> None:
+    passes = [
+        {"hand": _result(100, 2.0), "omni": _result(90, 3.0), "omni_ta": _result(72, 5.1)},
+        {"hand": _result(100, 2.0), "omni": {"error": "boom"}, "omni_ta": _result(70, 5.0)},
+        {"hand": _result(50, 1.0), "omni": _result(50, 1.5), "omni_ta": _result(45, 2.4)},
+    ]
+    cell = summary.summarize_cell(2, "spread", passes, ["hand", "omni", "omni_ta"])
+    assert cell["omni_ta_ratio"] == {"median": 0.72, "min": 0.7, "max": 0.9}
+    assert cell["omni_ta_cpu_ratio"]["median"] == pytest.approx(2.5)
+    # against omni over the passes where both ran: 72/90 and 45/50; CPU 5.1/3 and 2.4/1.5
+    assert cell["loop_ratio"] == {
+        "median": pytest.approx(0.85),
+        "min": pytest.approx(0.8),
+        "max": pytest.approx(0.9),
+    }
+    assert cell["loop_cpu_ratio"]["median"] == pytest.approx(1.65)
+    row = summary.summary_row(cell)
+    assert (row["cpu_ms_omni_ta"], row["omni_ta_ratio"], row["omni_ta_cpu_ratio"]) == (
+        5.0,
+        0.72,
+        2.5,
+    )
+    assert (row["loop_ratio"], row["loop_cpu_ratio"]) == (0.85, 1.65)
+    # without omni_ta, no loop comparison
+    plain = summary.summarize_cell(
+        2, "spread", [{k: p[k] for k in ("hand", "omni")} for p in passes], ["hand", "omni"]
+    )
+    assert "loop_ratio" not in plain and "loop_ratio" not in summary.summary_row(plain)
+    assert "cpu_ms_omni_ta" not in summary.summary_row(plain)
+    assert bench.parse_args(["--systems", "hand,omni,omni_ta"]).systems == [
+        "hand",
+        "omni",
+        "omni_ta",
+    ]
 
 
 def test_throughput_and_cpu_per_request_stage() -> None:

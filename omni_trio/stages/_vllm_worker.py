@@ -1,21 +1,21 @@
-"""The worker-thread side of the vLLM backend: one AsyncLLM on its own asyncio loop.
+"""The worker-thread side of the vLLM backend: one AsyncLLM on the worker's own event loop.
 
-Everything here runs in the replica's worker thread, on a plain asyncio event loop the
-worker owns, never on the orchestrator's trio loop. Why not trio + trio-asyncio (the design
-card's first choice): measured on this machine, the same hand-written asyncio program driving
-two AsyncLLMs costs 1.8-1.9 ms of CPU per request-stage on trio-asyncio's loop against
-1.1 ms on asyncio's own (a trio scheduler trip, a cancel scope and a channel receive per
-asyncio callback); with the orchestrator on top that put omni-trio at 2.4-2.6x the
-hand-driven program's CPU, where the target is 1.2x. The orchestrator stays trio; the
-worker is a small asyncio program behind a thread boundary, and every crossing is
-loop-agnostic (``call_soon_threadsafe`` inwards, the bridge's non-blocking sends outwards).
+Everything here runs in the replica's worker thread, on an event loop the worker's
+:class:`~omni_trio.transport.loop_host.LoopHost` runs there, never on the orchestrator's trio
+loop. The stage option ``loop`` picks it: a plain asyncio loop (the default), or the design
+card's ``trio.run`` + ``trio_asyncio.open_loop()``. Why asyncio by default: measured on this
+machine (``benchmarks/bench_vllm_pipeline.py``), the same pipeline costs 1.3-1.4x the frontend
+CPU per request-stage with its workers on trio-asyncio's loop (a trio scheduler trip, a cancel
+scope and a channel receive per asyncio callback). The worker's code is the same on both: the
+orchestrator stays trio, and every crossing is loop-agnostic (the host's
+``call_soon_threadsafe`` inwards, the bridge's non-blocking sends outwards).
 
 Commands (:class:`Submit`, :class:`Abort`, :class:`Resume`, :class:`Rpc`) arrive through
 :meth:`EngineWorker.command` (thread-safe); the worker answers RPCs itself and hands the
 others to the started engine's :class:`~._vllm_requests.EngineRequests`. Outputs leave in one
 batch per engine step on the replica's output bridge (:mod:`._vllm_outputs`); the worker
 reports its life (its start outcome, then :class:`Died`) on an event bridge, and closes both
-as its last act.
+on its loop as its last act.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import outcome
 from ..errors import ConfigError, ReplicaDeadError, StageError, StageStartError
 from ..failures import group_causes
 from ..transport.bridge import BridgeSender
+from ..transport.loop_host import LoopHost, LoopKind
 from ._vllm_process import SpawnWindow, engine_core_children, import_vllm, kill, reap
 from ._vllm_process import shutdown_engine as _shutdown
 from ._vllm_protocol import Batch, Died, Ready, Rpc, Submit, merge_engine_args
@@ -59,6 +60,7 @@ class EngineWorker:
         on_exit: Callable[[], None],
         on_phase: Callable[[str], None] = lambda phase: None,
         mm_scope: tuple[str, int] | None = None,
+        loop: LoopKind = "asyncio",
     ) -> None:
         self.name = name
         self.replica = replica
@@ -70,15 +72,12 @@ class EngineWorker:
         self._out_tx = out_tx
         self._on_exit = on_exit
         self._on_phase = on_phase
-        self._stop_requested = threading.Event()
         self.core_pids: list[int] = []
         self.engine: Any = None
         self._procs: list[Any] = []
         self.v: SimpleNamespace | None = None
-        # created here (not in the thread) so that command() has a target from the start;
-        # a loop may be created in one thread and run in another
-        self._loop = asyncio.SelectorEventLoop()
-        self._wake = asyncio.Event()  # set (on the loop) when a stop is requested
+        # command() has a target from the start: the host queues calls until its loop runs
+        self._host = LoopHost(loop, name=name)
         self._inbox_lock = threading.Lock()
         self._inbox: list[Command] = []  # commands not yet taken by the loop
         self._inbox_scheduled = False
@@ -91,15 +90,22 @@ class EngineWorker:
         self._task_errors: list[BaseException] = []
 
     # -- from the backend's thread ----------------------------------------------------------
+    @property
+    def loop_kind(self) -> LoopKind:
+        """The kind of loop the worker runs on (the stage option ``loop``)."""
+        return self._host.kind
+
     def run(self) -> None:
-        """The thread's target: run the worker to its end, then close both bridges."""
+        """The thread's target: run the worker on its loop to its end; both bridges are
+        closed by then."""
         try:
-            with asyncio.Runner(loop_factory=lambda: self._loop) as runner:
-                runner.run(self._main())
+            self._host.run(self._life)
         except BaseException as exc:
-            self.crash = exc
+            if self.crash is None:  # the loop itself failed, not the worker
+                self.crash = exc
             logger.exception("vllm worker %s crashed", self.name)
         finally:
+            # already closed, unless the loop never ran the worker
             self._out_tx.close()
             self._evt_tx.close()
             self._on_exit()
@@ -116,9 +122,8 @@ class EngineWorker:
             if self._inbox_scheduled:
                 return True
             self._inbox_scheduled = True
-        try:
-            self._loop.call_soon_threadsafe(self._take_commands)
-        except RuntimeError:  # the loop is closed: so will every later command find it
+        if not self._host.call_soon_threadsafe(self._take_commands):
+            # the worker has ended: so will every later command find it
             with self._inbox_lock:
                 self._inbox_scheduled = False
             return False
@@ -134,11 +139,7 @@ class EngineWorker:
     def stop(self) -> None:
         """Ask the worker to stop: a start in progress is abandoned (its half-built
         EngineCore killed), a running engine is shut down cleanly. Thread-safe, idempotent."""
-        self._stop_requested.set()
-        try:
-            self._loop.call_soon_threadsafe(self._wake.set)
-        except RuntimeError:
-            pass  # already ended
+        self._host.stop()
 
     def cancel_start(self) -> None:
         """:meth:`stop`, and kill a half-built EngineCore now. Thread-safe."""
@@ -147,6 +148,19 @@ class EngineWorker:
             kill(self.core_pids)
 
     # -- the loop ---------------------------------------------------------------------------
+    async def _life(self) -> None:
+        try:
+            await self._main()
+        except BaseException as exc:
+            self.crash = exc  # before the bridges close: the backend reads it then
+            raise
+        finally:
+            # on the loop: on trio-asyncio the ends are bound to this thread's trio loop, and
+            # an end still open when that loop ends counts as lost (the backend would read
+            # BrokenResourceError where the stream ended)
+            self._out_tx.close()
+            self._evt_tx.close()
+
     async def _main(self) -> None:
         try:
             self.v = import_vllm()
@@ -160,18 +174,18 @@ class EngineWorker:
             name=self.name,
             v=self.v,
             engine=self.engine,
-            loop=self._loop,
+            loop=self._host.loop,
             out_tx=self._out_tx,
             mm_scope=self.mm_scope,
             on_failure=self._request_failed,
         )
         try:
-            if self._stop_requested.is_set():
+            if self._host.stop_requested:
                 return
             self._evt_tx.send_nowait(outcome.Value(Ready(tuple(self.core_pids))))
             for proc in self._procs:
-                self._loop.add_reader(proc.sentinel, self._core_exited, proc)
-            await self._wake.wait()
+                self._host.loop.add_reader(proc.sentinel, self._core_exited, proc)
+            await self._host.wait_for_stop()
         finally:
             errors = await self._end_tasks()
             self._shutdown_engine()
@@ -201,7 +215,7 @@ class EngineWorker:
                 args[key] = resolve_model(str(args[key]))
         self._on_phase("model_ready")
         engine_args = v.AsyncEngineArgs(**args)
-        loop = self._loop
+        host = self._host
         done = asyncio.Event()
         result: list[Any] = []
         bind = self.options.get("cpu_bind")
@@ -214,7 +228,7 @@ class EngineWorker:
             # loop, which watches for a stop meanwhile.
             try:
                 window.open()
-                if not self._stop_requested.is_set():
+                if not host.stop_requested:
                     result.append(v.AsyncLLM.from_engine_args(engine_args))
                 else:
                     result.append(StageStartError(self.name, "start was cancelled"))
@@ -222,7 +236,7 @@ class EngineWorker:
                 result.append(exc)
             finally:
                 window.close()
-                loop.call_soon_threadsafe(done.set)
+                host.call_soon_threadsafe(done.set)
 
         helper = threading.Thread(target=build, name=f"{self.name}-build")
         helper.start()
@@ -237,7 +251,7 @@ class EngineWorker:
                 self.core_pids.extend(engine_core_children(window.before))
                 if self.core_pids:
                     window.close()
-            if self._stop_requested.is_set():
+            if host.stop_requested:
                 kill(self.core_pids)
         helper.join()
         (built,) = result
@@ -249,7 +263,7 @@ class EngineWorker:
         self.core_pids[:] = [p.pid for p in self._procs]
 
     def _core_exited(self, proc: Any) -> None:
-        self._loop.remove_reader(proc.sentinel)
+        self._host.loop.remove_reader(proc.sentinel)
         proc.join(0)
         reason = f"EngineCore process {proc.pid} exited (exit code {proc.exitcode})"
         logger.warning("vllm worker %s: %s", self.name, reason)
@@ -274,12 +288,12 @@ class EngineWorker:
     # -- commands ---------------------------------------------------------------------------
     def _command(self, cmd: Command) -> None:
         if isinstance(cmd, Rpc):
-            rpc = self._loop.create_task(self._rpc(cmd))
+            rpc = self._host.loop.create_task(self._rpc(cmd))
             self._rpcs.add(rpc)
             rpc.add_done_callback(self._rpcs.discard)
             return
         requests = self._requests
-        if isinstance(cmd, Submit) and (requests is None or self._stop_requested.is_set()):
+        if isinstance(cmd, Submit) and (requests is None or self._host.stop_requested):
             # never started, or stopping: the request fails at once
             self._refuse(cmd)
         elif requests is not None:
@@ -347,7 +361,7 @@ class EngineWorker:
     def _shutdown_engine(self) -> None:
         """Blocking (in this thread): stop the AsyncLLM and reap its processes."""
         for proc in self._procs:
-            self._loop.remove_reader(proc.sentinel)
+            self._host.loop.remove_reader(proc.sentinel)
         if self.engine is None:
             self._after_failed_start()
             return
@@ -361,6 +375,7 @@ class EngineWorker:
     def __repr__(self) -> str:
         requests = len(self._requests) if self._requests is not None else 0
         return (
-            f"<EngineWorker {self.name} engine={'up' if self.engine is not None else 'none'} "
+            f"<EngineWorker {self.name} loop={self._host.kind} "
+            f"engine={'up' if self.engine is not None else 'none'} "
             f"requests={requests} rpcs={len(self._rpcs)} core_pids={self.core_pids}>"
         )

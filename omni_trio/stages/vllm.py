@@ -1,18 +1,19 @@
 """The ``vllm`` backend: one replica = one real ``vllm.v1.engine.async_llm.AsyncLLM``.
 
-Each replica owns a worker thread that runs a plain asyncio loop and hosts the AsyncLLM (see
-``_vllm_worker``, which says why not trio-asyncio). The orchestrator's loop never runs vLLM
-code: requests, aborts, resumes and control calls are handed to the worker's loop
-(``EngineWorker.command``, thread-safe, never blocking); replies and events come back on
-:mod:`omni_trio.transport.bridge` channels. Outputs come back on one bridge per replica:
-everything one engine step produced, for all of its requests, crosses as one batch with at
-most one wake-up, and a demultiplexing task hands each request its items; while a request's
-task waits with nothing pending, its outputs go straight on through ``emit.nowait`` (into the
-consumer's window, without waking the request's task). Backpressure stays per request: each
-has a window of ``output_buffer`` outputs sent and not yet taken; a request out of credit
-leaves its outputs in vLLM's collector (which merges its deltas) until it has taken half of
-them, so a slow consumer holds back only its own request. A request whose outputs nobody
-streams (see ``outputs_streamed``) asks vLLM for ``FINAL_ONLY``.
+Each replica owns a worker thread that runs an event loop and hosts the AsyncLLM (see
+``_vllm_worker``): a plain asyncio loop, or with ``loop: trio-asyncio`` trio with
+trio-asyncio's loop (the design card's choice, measured at 1.3-1.4x the frontend CPU per
+request). The orchestrator's loop never runs vLLM code: requests, aborts, resumes and control
+calls are handed to the worker's loop (``EngineWorker.command``, thread-safe, never blocking);
+replies and events come back on :mod:`omni_trio.transport.bridge` channels. Outputs come back
+on one bridge per replica: everything one engine step produced, for all of its requests,
+crosses as one batch with at most one wake-up, and a demultiplexing task hands each request its
+items; while a request's task waits with nothing pending, its outputs go straight on through
+``emit.nowait`` (into the consumer's window, without waking the request's task). Backpressure
+stays per request: each has a window of ``output_buffer`` outputs sent and not yet taken; a
+request out of credit leaves its outputs in vLLM's collector (which merges its deltas) until it
+has taken half of them, so a slow consumer holds back only its own request. A request whose
+outputs nobody streams (see ``outputs_streamed``) asks vLLM for ``FINAL_ONLY``.
 vllm is imported in the worker thread only, so ``import omni_trio`` stays light; without
 vllm, start-up raises :class:`~omni_trio.errors.BackendUnavailableError`.
 
@@ -22,15 +23,17 @@ Config (a stage with ``backend: vllm``):
                  local tiny model (:func:`omni_trio.models.resolve_model`). On CPU machines
                  ``dtype=bfloat16, enforce_eager=True, gpu_memory_utilization=0.15,
                  max_model_len=256, max_num_seqs=8`` apply unless set.
-``options``      ``cpu_bind`` (str, or a list indexed by replica): ``VLLM_CPU_OMP_THREADS_BIND``
-                 for this engine only, e.g. ``"0"`` for one stage and ``"1"`` for the other
-                 (vLLM's ``auto`` pins every engine to core 0); ``core_shutdown_grace_s``
-                 (float, 10): how long the EngineCore gets after SIGTERM before SIGKILL (a clean
-                 exit takes 1-2 s);
-                 ``output_buffer`` (int, 64): the per-request bridge window;
-                 ``abort_timeout_s`` (float, 10): bound on waiting for the engine to confirm
-                 an abort. Declared by :class:`~omni_trio.config.options.VllmOptions`,
-                 checked at load, like ``engine_args`` keys and ``default_sampling_params``.
+``options``      ``cpu_bind`` (str, or a list indexed by replica): ``VLLM_CPU_OMP_THREADS_BIND`` for
+                 this engine only, e.g. ``"0"`` for one stage and ``"1"`` for the other (vLLM's
+                 ``auto`` pins every engine to core 0); ``core_shutdown_grace_s`` (float, 10): how
+                 long the EngineCore gets after SIGTERM before SIGKILL (a clean exit takes 1-2 s);
+                 ``output_buffer`` (int, 64): the per-request bridge window; ``abort_timeout_s``
+                 (float, 10): bound on waiting for the engine to confirm an abort; ``loop``
+                 (``asyncio`` or ``trio-asyncio``, default ``asyncio``): the worker thread's event
+                 loop (``trio-asyncio`` needs the ``omni-trio[trio-asyncio]`` extra, else the start
+                 raises :class:`~omni_trio.errors.BackendUnavailableError`). Declared by
+                 :class:`~omni_trio.config.options.VllmOptions`, checked at load, like
+                 ``engine_args`` keys and ``default_sampling_params``.
 
 Inputs: ``StageInput.token_ids`` (what a downstream stage receives) become
 ``{"prompt_token_ids": ...}``, ``prompt`` a text prompt, ``data`` a vLLM prompt dict. vLLM
@@ -81,6 +84,7 @@ from ..config.options import VllmOptions, parse_options
 from ..errors import ReplicaDeadError
 from ..outputs import StageInput
 from ..transport.bridge import BridgeReceiver, open_bridge
+from ..transport.loop_host import require_loop
 from ._vllm_mm import replica_scope
 from ._vllm_outputs import RequestInbox
 from ._vllm_protocol import (
@@ -150,8 +154,12 @@ class VllmBackend(StageBackend):
 
         Cancellation kills the half-built EngineCore and joins the thread (bounded) before
         re-raising. Raises the worker's start-up error (BackendUnavailableError,
-        ConfigError, or vLLM's own) if the engine cannot be built.
+        ConfigError, or vLLM's own) if the engine cannot be built; BackendUnavailableError
+        also when ``loop: trio-asyncio`` is set and trio-asyncio is not installed.
         """
+        # before the worker's thread: a missing trio-asyncio is a typed error, not a crash of
+        # that thread (in a helper thread: an import blocks)
+        await trio.to_thread.run_sync(require_loop, self.options.loop)
         evt_tx, evt_rx = open_bridge(8, name=f"{self.name}:events")
         out_tx, out_rx = open_bridge[Batch](_OUTPUT_BATCHES, name=f"{self.name}:outputs")
         self._evt_rx, self._out_rx = evt_rx, out_rx
@@ -171,6 +179,7 @@ class VllmBackend(StageBackend):
             on_exit=on_exit,
             on_phase=self.mark_phase,
             mm_scope=self.mm_scope,
+            loop=self.options.loop,
         )
         # the worker runs in this context (a copy): a model build there reports its steps
         # wherever the caller's do (omni_trio.models.progress)
@@ -393,4 +402,7 @@ class VllmBackend(StageBackend):
     def __repr__(self) -> str:
         base = super().__repr__()[:-1]
         alive = self._thread is not None and self._thread.is_alive()
-        return f"{base} thread={'alive' if alive else 'none'} core_pids={list(self.core_pids)}>"
+        return (
+            f"{base} thread={'alive' if alive else 'none'} loop={self.options.loop} "
+            f"core_pids={list(self.core_pids)}>"
+        )

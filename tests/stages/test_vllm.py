@@ -129,6 +129,43 @@ def stage(sid: str, engine_args: dict[str, Any], **kw: Any) -> StageConfig:
     return StageConfig(id=sid, backend="vllm", engine_args=engine_args, **kw)
 
 
+async def abort_mid_stream(engine: omni_trio.Engine, prompt: str) -> list[int]:
+    """A long thinker request aborted after its third output: the consumer gets exactly what
+    abort() returns, then an abort terminal, and no engine of the thinker -> talker pipeline
+    holds anything of it. Returns the aborted request's tokens."""
+    long = {"thinker": {**GREEDY, "max_tokens": 200}}
+    async with engine.generate(
+        prompt, request_id="cut", final_stage_id="thinker", sampling_params=long
+    ) as stream:
+        seen = [await stream.receive() for _ in range(3)]
+        partial = await engine.abort("cut")
+        rest = [out async for out in stream]
+    assert rest[-1].aborted and len(partial) >= 3
+    assert [o.token_ids for o in seen + rest[:-1]] == [o.token_ids for o in partial]
+    assert await engine.collective_rpc("get_num_unfinished_requests") == [0, 0]
+    return [t for o in partial for t in o.token_ids]
+
+
+async def cancel_a_chain_consumer_at_every_checkpoint(
+    engine: omni_trio.Engine, prompt: str
+) -> None:
+    """A consumer of the thinker -> talker pipeline cancelled at each of its checkpoints
+    (while its request is being submitted to a worker, aborted before the worker ran it,
+    streaming, or being left) leaves nothing behind in either engine."""
+    short = {**GREEDY, "max_tokens": 4}
+
+    async def consumer(engine: omni_trio.Engine) -> None:
+        params = {"thinker": short, "talker": short}
+        async with engine.generate(prompt, sampling_params=params) as stream:
+            async for _out in stream:
+                pass
+
+    report = await cancel_at_every_checkpoint(engine, consumer, run_timeout=engine_seconds(60))
+    report.raise_if_failed()
+    assert report.runs == report.checkpoints + 1 >= 6
+    assert await engine.collective_rpc("get_num_unfinished_requests") == [0, 0]
+
+
 # -- backend-level ------------------------------------------------------------------------
 async def test_backend_streams_greedy_tokens_aborts_and_cleans_up(
     caplog: pytest.LogCaptureFixture,
@@ -661,41 +698,10 @@ async def test_open_engine_one_and_two_stage_pipelines_match_hand_driven() -> No
                 ):
                     slow.extend(out.token_ids)
                     await trio.sleep(0.02)
-            # aborted mid-stream: the consumer got exactly what abort() returns, then an
-            # abort terminal; nothing is left in the engine
-            long = {"thinker": {**GREEDY, "max_tokens": 200}}
             with bounded("3 outputs of 'cut', its abort and its terminal", 120, engine):
-                async with engine.generate(
-                    PROMPTS[0], request_id="cut", final_stage_id="thinker", sampling_params=long
-                ) as stream:
-                    seen = [await stream.receive() for _ in range(3)]
-                    partial = await engine.abort("cut")
-                    rest = [out async for out in stream]
-                unfinished = await engine.collective_rpc("get_num_unfinished_requests")
-            assert rest[-1].aborted and len(partial) >= 3
-            assert [o.token_ids for o in seen + rest[:-1]] == [o.token_ids for o in partial]
-            cut = [t for o in partial for t in o.token_ids]
-            assert unfinished == [0, 0]
-
-            # a consumer cancelled at each of its checkpoints (while its request is being
-            # submitted to a worker, aborted before the worker ran it, streaming, or being
-            # left) leaves nothing behind in either engine
-            short = {**GREEDY, "max_tokens": 4}
-
-            async def consumer(engine: omni_trio.Engine) -> None:
-                params = {"thinker": short, "talker": short}
-                async with engine.generate(PROMPTS[1], sampling_params=params) as stream:
-                    async for _out in stream:
-                        pass
-
+                cut = await abort_mid_stream(engine, PROMPTS[0])
             with bounded("a consumer cancelled at each of its checkpoints", 400, engine):
-                report = await cancel_at_every_checkpoint(
-                    engine, consumer, run_timeout=engine_seconds(60)
-                )
-                unfinished = await engine.collective_rpc("get_num_unfinished_requests")
-            report.raise_if_failed()
-            assert report.runs == report.checkpoints + 1 >= 6
-            assert unfinished == [0, 0]
+                await cancel_a_chain_consumer_at_every_checkpoint(engine, PROMPTS[1])
     assert leftover_engine_processes() == []
     assert our_threads() == []
     for i in range(len(PROMPTS)):
