@@ -98,8 +98,7 @@ def register() -> None:
     _request_amx()
     parent = watched_parent()
     if parent is not None:
-        logger.debug("process %d stops when its parent %d exits", os.getpid(), parent)
-        watch_parent(parent, ORPHAN_GRACE_S, on_death=_parent_died)
+        _watch(parent)
 
 
 def _request_amx() -> None:
@@ -107,6 +106,21 @@ def _request_amx() -> None:
     if state is not None and state.supported:
         permitted = "permitted" if state.permitted else "NOT permitted"
         logger.info("process %d: AMX tile state %s", os.getpid(), permitted)
+
+
+def _watch(parent: int) -> None:
+    try:
+        watch_parent(parent, ORPHAN_GRACE_S, on_death=_parent_died)
+    except OSError as exc:  # no way to watch it here: the process runs as it would have
+        logger.warning(
+            "process %d cannot watch the omni-trio process %d that started it (%s): it may "
+            "outlive it",
+            os.getpid(),
+            parent,
+            exc,
+        )
+        return
+    logger.debug("process %d stops when its parent %d exits", os.getpid(), parent)
 
 
 def _parent_died(pid: int) -> None:
