@@ -40,7 +40,7 @@ from ..request.lifecycle import RequestStatus
 from ..request.output_builder import OutputBuilder
 from ..request.planning import RequestPlan
 from ..request.run import StageRunner
-from ..request.state import Request, RequestHandle, RequestInfo, WaitingRequest
+from ..request.state import Request, RequestHandle, WaitingRequest
 from ..request.streaming_input import RequestInput
 from ..stages.pool import StagePool
 from ..stages.processors import InputProcessor, load_processor
@@ -337,11 +337,6 @@ class Orchestrator:
             await trio.lowlevel.checkpoint()
             return False
         return await self.interactions.deliver(req, payload)
-
-    def request_info(self, request_id: str) -> RequestInfo | None:
-        """A frozen snapshot of a request in flight, or None (unknown or ended)."""
-        req = self._requests.get(request_id)
-        return None if req is None else req.info()
 
     @property
     def requests_in_flight(self) -> int:

@@ -1,7 +1,6 @@
-"""One admitted request: its state (:class:`Request`, owned by the orchestrator), the
-consumer's narrow :class:`RequestHandle` on it, and a frozen :class:`RequestInfo` snapshot;
-and a request still waiting for admission (:class:`WaitingRequest`), which an abort takes out
-of the queue.
+"""One admitted request: its state (:class:`Request`, owned by the orchestrator) and the
+consumer's narrow :class:`RequestHandle` on it; and a request still waiting for admission
+(:class:`WaitingRequest`), which an abort takes out of the queue.
 
 A :class:`Request` changes only through its own methods: an abort is requested
 (:meth:`Request.request_abort`), a stage fails it (:meth:`Request.fail`), its task ends
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import outcome
 import trio
@@ -32,7 +30,7 @@ from .output_builder import Convert
 from .planning import RequestPlan
 from .streaming_input import RequestInput
 
-__all__ = ["Request", "RequestHandle", "RequestInfo", "WaitingRequest"]
+__all__ = ["Request", "RequestHandle", "WaitingRequest"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,26 +41,6 @@ StageItem = tuple[str, StageOutput]
 #: what the consumer's queue carries: outputs (routed, or as a stage emitted them, turned into
 #: OmniOutputs when read), terminals, or the request's error
 _Item = OmniOutput | StageItem | outcome.Error
-
-
-@dataclass(frozen=True, slots=True)
-class RequestInfo:
-    """A snapshot of one request in flight (``Orchestrator.request_info``)."""
-
-    request_id: str
-    status: RequestStatus
-    stages: tuple[str, ...]
-    finished_stages: tuple[str, ...]
-    outputs_produced: int
-    outputs_queued: int
-    abort_requested: bool
-
-    def __repr__(self) -> str:
-        return (
-            f"<RequestInfo {self.request_id!r} {self.status} stages={list(self.stages)} "
-            f"finished={list(self.finished_stages)} produced={self.outputs_produced} "
-            f"queued={self.outputs_queued}{' abort-requested' if self.abort_requested else ''}>"
-        )
 
 
 class Request:
@@ -270,18 +248,6 @@ class Request:
             request_id=self.request_id,
             partial_outputs=produced,
         ) from error
-
-    def info(self) -> RequestInfo:
-        lc = self.lifecycle
-        return RequestInfo(
-            request_id=self.request_id,
-            status=lc.status,
-            stages=self.plan.active,
-            finished_stages=tuple(s for s in self.plan.active if lc.stage_finished(s)),
-            outputs_produced=self.n_produced,
-            outputs_queued=self.queue.statistics().items,
-            abort_requested=lc.abort_requested,
-        )
 
     def __repr__(self) -> str:
         return (

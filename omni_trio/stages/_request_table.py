@@ -208,8 +208,3 @@ class RequestTable:
         running.cancel()
         await running.wait_ended()
         return list(running.partial or ())
-
-    def partial_outputs(self, request_id: str) -> list[StageOutput]:
-        """The outputs a running request has emitted so far (``[]`` if it is not running)."""
-        running = self._running.get(request_id)
-        return list(running.partial or ()) if running else []

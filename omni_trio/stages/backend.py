@@ -336,10 +336,6 @@ class StageBackend(abc.ABC):
         """
         return await self._requests.abort(request_id)
 
-    def partial_outputs(self, request_id: str) -> list[StageOutput]:
-        """The outputs a running request has emitted so far (``[]`` if it is not running)."""
-        return self._requests.partial_outputs(request_id)
-
     async def collective_rpc(
         self,
         method: str,

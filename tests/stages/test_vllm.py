@@ -214,10 +214,12 @@ async def test_backend_streams_greedy_tokens_aborts_and_cleans_up(
         # abort() returns the partial outputs, a prefix of the full greedy stream
         got_some = trio.Event()
         aborted: list[BaseException] = []
+        doomed_outs: list[StageOutput] = []
 
         async def doomed() -> None:
             async def emit(o: StageOutput) -> None:
-                if len(backend.partial_outputs("doomed")) >= 3:
+                doomed_outs.append(o)
+                if len(doomed_outs) >= 3:
                     got_some.set()
 
             try:
@@ -298,8 +300,11 @@ async def test_killed_engine_core_fails_only_its_replica() -> None:
         long = {**GREEDY, "max_tokens": 200}
 
         async def on_b0() -> None:
+            victim: list[StageOutput] = []
+
             async def emit(o: StageOutput) -> None:
-                if len(b0.partial_outputs("victim")) == 2:
+                victim.append(o)
+                if len(victim) == 2:
                     os.kill(b0.core_pids[0], signal.SIGKILL)
 
             try:
