@@ -12,12 +12,11 @@ Each is one slotted object per request-stage whose bound methods go into an
 :class:`~omni_trio.stages.emit.Emitter` (``emit`` awaited, ``emit_nowait`` its fast path):
 a request in flight holds no closures and no cells. ``emit_nowait`` only ever delivers: it
 refuses (``False``, nothing changed) whenever the awaited ``emit`` would do anything else
-(wait, abort, raise the contract violation).
+(wait, abort). None checks the backend contract (nothing after the finished output): the
+replica that runs the request does, before any of them sees an output.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import trio
 
@@ -26,12 +25,7 @@ from ..stages.emit import Emitter
 from ..transport.queue import OutputQueue
 from .state import Request
 
-__all__ = ["CollectEmit", "OutboxEmit", "PulledEmit", "Record", "deliver"]
-
-#: the runner's record of one output of a stage (lifecycle, outputs kept for abort):
-#: ``record(req, sid, out) -> (sid, out)``; raises StageError naming the replica on a
-#: contract violation
-Record = Callable[[Request, str, StageOutput], tuple[str, StageOutput]]
+__all__ = ["CollectEmit", "OutboxEmit", "PulledEmit", "deliver"]
 
 
 async def deliver(req: Request, item: tuple[str, StageOutput]) -> None:
@@ -62,10 +56,9 @@ class PulledEmit:
     """The emit of an output stage that feeds no other stage: into the request's queue, as
     emitted (the consumer builds each OmniOutput when it reads it)."""
 
-    __slots__ = ("_record", "_req", "_sid")
+    __slots__ = ("_req", "_sid")
 
-    def __init__(self, record: Record, req: Request, sid: str) -> None:
-        self._record = record
+    def __init__(self, req: Request, sid: str) -> None:
         self._req = req
         self._sid = sid
 
@@ -75,9 +68,11 @@ class PulledEmit:
 
     async def emit(self, out: StageOutput) -> None:
         """Record ``out`` and queue it; waits only when the window is full (see
-        :func:`deliver`). Raises StageError for an output after the stage's finished one."""
+        :func:`deliver`)."""
         req = self._req
-        item = self._record(req, self._sid, out)
+        sid = self._sid
+        req.record(sid, out)
+        item = (sid, out)
         try:
             req.queue.send_nowait(item)  # the usual case, room in the window: no coroutine
         except (trio.WouldBlock, trio.BrokenResourceError):
@@ -85,21 +80,17 @@ class PulledEmit:
 
     def emit_nowait(self, out: StageOutput) -> bool:
         """Into the window if it has room, and only when :meth:`emit` would do just that (no
-        abort, failure, violation). Synchronous."""
+        abort or failure under way). Synchronous."""
         req = self._req
         sid = self._sid
         lifecycle = req.lifecycle
-        if lifecycle.abort_requested or lifecycle.failed or lifecycle.stage_finished(sid):
+        if lifecycle.abort_requested or lifecycle.failed:
             return False
         try:
             req.queue.send_nowait((sid, out))
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             return False
-        # the record, inlined: the stage had not finished, so the lifecycle only needs to hear
-        # of a finished output
-        if out.finished:
-            lifecycle.stage_output(sid, True)
-        req.keep(sid, out)
+        req.record(sid, out)
         return True
 
 
@@ -107,10 +98,9 @@ class CollectEmit:
     """The emit of a stage whose outputs nobody needs as they come: records each output and
     keeps it in :attr:`outs`, for the stage's run to hand on once the backend returned."""
 
-    __slots__ = ("_record", "_req", "_sid", "outs")
+    __slots__ = ("_req", "_sid", "outs")
 
-    def __init__(self, record: Record, req: Request, sid: str) -> None:
-        self._record = record
+    def __init__(self, req: Request, sid: str) -> None:
         self._req = req
         self._sid = sid
         #: the outputs so far, in order
@@ -121,17 +111,18 @@ class CollectEmit:
         return Emitter(self.emit, self.emit_nowait)
 
     async def emit(self, out: StageOutput) -> None:
-        """Record and keep ``out``. Never checkpoints (nothing waits). Raises StageError for
-        an output after the stage's finished one."""
-        self.outs.append(self._record(self._req, self._sid, out)[1])
+        """Record and keep ``out``. Never checkpoints (nothing waits)."""
+        self._req.record(self._sid, out)
+        self.outs.append(out)
 
     def emit_nowait(self, out: StageOutput) -> bool:
-        """:meth:`emit`, unless the request is being aborted or failed or the stage already
-        finished (then the awaited emit raises the violation, or is cancelled). Synchronous."""
+        """:meth:`emit`, unless the request is being aborted or failed (then the awaited emit
+        is cancelled). Synchronous."""
         lifecycle = self._req.lifecycle
-        if lifecycle.abort_requested or lifecycle.failed or lifecycle.stage_finished(self._sid):
+        if lifecycle.abort_requested or lifecycle.failed:
             return False
-        self.outs.append(self._record(self._req, self._sid, out)[1])
+        self._req.record(self._sid, out)
+        self.outs.append(out)
         return True
 
 

@@ -33,7 +33,7 @@ from functools import partial
 import trio
 
 from ..config.pipeline import PipelineConfig
-from ..errors import OmniTrioError, StageAborted, StageError
+from ..errors import OmniTrioError, StageAborted
 from ..observer import ObserverSet
 from ..outputs import StageInput, StageOutput
 from ..stages.emit import Emit
@@ -43,7 +43,6 @@ from ..transport.queue import OutputQueue
 from .companions import companion_key, run_with_companions
 from .emits import CollectEmit, OutboxEmit, PulledEmit
 from .feeds import StageFeed, WholeInput
-from .lifecycle import ContractViolation
 from .planning import RequestPlan, StagePath, stage_path
 from .route import COMPLETED, NONE_READY, STOPPED, Ready, finish_feeds, route_stage
 from .state import Request
@@ -209,24 +208,8 @@ class StageRunner:
         outbox: OutputQueue[StageOutput] = OutputQueue(self.config.output_buffer)
         return [
             partial(self._run_backend, req, sid, inputs, outbox, streamed, feeds),
-            partial(route_stage, req, sid, outbox, feeds, streamed, self.observers, self._record),
+            partial(route_stage, req, sid, outbox, feeds, streamed, self.observers),
         ]
-
-    def _record(self, req: Request, sid: str, out: StageOutput) -> tuple[str, StageOutput]:
-        """Note an output of stage ``sid`` in the request's lifecycle and its outputs so far.
-        Synchronous. Raises StageError naming the replica if the stage had finished."""
-        try:
-            req.lifecycle.stage_output(sid, out.finished)
-        except ContractViolation as exc:
-            replica = self._pools[sid].replica_of(req.request_id)
-            name = replica.name if replica is not None else f"{sid}[?]"
-            raise StageError(
-                f"replica {name} broke the backend contract: {exc}",
-                stage_id=sid,
-                request_id=req.request_id,
-            ) from None
-        req.keep(sid, out)
-        return (sid, out)
 
     async def _run_pulled(self, req: Request, sid: str, inputs: Inputs) -> Ready:
         # An output stage that feeds no other stage: its outputs go into the request's own
@@ -234,7 +217,7 @@ class StageRunner:
         # (RequestHandle.receive): no routing task, no scheduler trip between the backend and
         # the consumer. The queue's window is the backpressure.
 
-        pulled = PulledEmit(self._record, req, sid)
+        pulled = PulledEmit(req, sid)
         if await self._run_stage(req, sid, inputs, pulled.emitter(), streamed=True):
             if not req.lifecycle.failed and not req.lifecycle.stage_finished(sid):
                 # the backend ended without a finished output; the caller gets one
@@ -251,7 +234,7 @@ class StageRunner:
         # A stage whose outputs nobody needs as they come (no caller, no streaming downstream
         # stage): the backend's outputs are kept, and routed here once it returned (out of
         # its call stack), straight to the downstream stages' input: no routing task.
-        collect = CollectEmit(self._record, req, sid)
+        collect = CollectEmit(req, sid)
         outs = collect.outs
         emitter = collect.emitter()
         if not await self._run_stage(req, sid, inputs, emitter, streamed=False, feeds=feeds):
@@ -260,7 +243,7 @@ class StageRunner:
         try:
             if not req.lifecycle.failed:
                 if not req.lifecycle.stage_finished(sid):
-                    outs.append(self._record(req, sid, STOPPED)[1])
+                    await collect.emit(STOPPED)
                 for feed in feeds:
                     feed.collect(sid, outs)  # none streams: this stage would be routed
                 for feed, chunk in finish_feeds(sid, feeds, ready):

@@ -142,8 +142,11 @@ class Request:
         self.lifecycle.fail(error)
         self.scope.cancel()
 
-    def keep(self, stage_id: str, out: StageOutput) -> None:
-        """Keep an output of stage ``stage_id`` for :meth:`abort`. Synchronous."""
+    def record(self, stage_id: str, out: StageOutput) -> None:
+        """Note an output of stage ``stage_id``: kept for :meth:`abort`, and the stage counts
+        finished once it is its finished output. Synchronous."""
+        if out.finished:
+            self.lifecycle.finish_stage(stage_id)
         produced = self._produced
         if produced is None:
             self._produced = [stage_id, out]

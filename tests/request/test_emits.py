@@ -1,7 +1,6 @@
 """The emit each kind of stage run gives its backend (_stage_emits.py): what the awaited emit
 does, and when the fast path refuses (nothing changed) so that the awaited one decides."""
 
-import pytest
 import trio
 import trio.testing
 
@@ -30,13 +29,6 @@ def request(window: int = 2) -> Request:
     )
 
 
-def record(req: Request, sid: str, o: StageOutput) -> tuple[str, StageOutput]:
-    # what the runner's record does, minus naming the replica
-    req.lifecycle.stage_output(sid, o.finished)
-    req.keep(sid, o)
-    return (sid, o)
-
-
 def queued(req: Request) -> list[tuple[str, StageOutput]]:
     items = []
     while True:
@@ -48,7 +40,7 @@ def queued(req: Request) -> list[tuple[str, StageOutput]]:
 
 async def test_pulled_fast_path_fills_the_window_then_refuses_and_emit_waits():
     req = request(window=2)
-    pulled = PulledEmit(record, req, "s")
+    pulled = PulledEmit(req, "s")
     assert pulled.emit_nowait(out(1)) and pulled.emit_nowait(out(2))
     assert not pulled.emit_nowait(out(3))  # the window is full: nothing changed
     assert req.n_produced == 2
@@ -64,17 +56,17 @@ async def test_pulled_fast_path_fills_the_window_then_refuses_and_emit_waits():
     assert [o.token_ids for _, o in queued(req)] == [(4,)]
 
 
-async def test_pulled_refuses_once_aborting_failed_or_finished():
+async def test_pulled_refuses_once_aborting_or_failed():
     req = request()
-    pulled = PulledEmit(record, req, "s")
+    pulled = PulledEmit(req, "s")
     assert pulled.emit_nowait(out(1, finished=True))
     assert req.lifecycle.stage_finished("s")
-    assert not pulled.emit_nowait(out(2))  # after the finished output
-    with pytest.raises(Exception, match="after"):
-        await pulled.emit(out(2))  # the awaited emit raises the violation
+    failed = request()
+    failed.fail("s", StageError("boom"))
+    assert not PulledEmit(failed, "s").emit_nowait(out(1))
     aborting = request()
     aborting.request_abort()
-    assert not PulledEmit(record, aborting, "s").emit_nowait(out(1))
+    assert not PulledEmit(aborting, "s").emit_nowait(out(1))
     assert queued(aborting) == []
 
 
@@ -93,25 +85,20 @@ async def test_deliver_to_a_consumer_gone_aborts_the_request():
     assert req.lifecycle.abort_requested
 
 
-async def test_collect_keeps_every_output_in_order_and_refuses_after_the_finished_one():
+async def test_collect_keeps_every_output_in_order_and_refuses_once_aborting_or_failed():
     req = request()
-    collect = CollectEmit(record, req, "s")
+    collect = CollectEmit(req, "s")
     with trio.testing.assert_no_checkpoints():
         await collect.emit(out(1))
     assert collect.emit_nowait(out(2, finished=True))
-    assert not collect.emit_nowait(out(3))
     assert [o.token_ids for o in collect.outs] == [(1,), (2,)]
-
-    def strict(req: Request, sid: str, o: StageOutput) -> tuple[str, StageOutput]:
-        if req.lifecycle.stage_finished(sid):
-            raise StageError("an output after the finished one")
-        return record(req, sid, o)
-
-    with pytest.raises(StageError):
-        await CollectEmit(strict, req, "s").emit(out(3))
+    assert req.lifecycle.stage_finished("s") and req.n_produced == 2
+    aborting = request()
+    aborting.request_abort()
+    assert not CollectEmit(aborting, "s").emit_nowait(out(1))
     failed = request()
     failed.fail("s", StageError("boom"))
-    assert not CollectEmit(record, failed, "s").emit_nowait(out(1))
+    assert not CollectEmit(failed, "s").emit_nowait(out(1))
 
 
 async def test_outbox_emit_fills_the_outbox_then_waits_for_room():

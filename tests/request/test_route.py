@@ -8,28 +8,18 @@ from omni_trio.errors import StageError
 from omni_trio.observer import ObserverSet
 from omni_trio.outputs import StageInput, StageOutput
 from omni_trio.request.feeds import StageFeed
-from omni_trio.request.lifecycle import ContractViolation
 from omni_trio.request.route import COMPLETED, STOPPED, finish_feeds, route_stage
 from omni_trio.request.state import Request
-from omni_trio.stages.processors import token_handoff
+from omni_trio.stages.processors import InputProcessor, token_handoff
 from omni_trio.transport.queue import OutputQueue
 
 from .test_emits import out, queued
-from .test_emits import record as record_kept
 from .test_emits import request as emits_request
 
 
 def request() -> Request:
     # stage "s", an output stage, with room in the consumer's window for every test here
     return emits_request(window=4)
-
-
-def record(req: Request, sid: str, o: StageOutput) -> tuple[str, StageOutput]:
-    # the runner's record: a contract violation becomes a StageError
-    try:
-        return record_kept(req, sid, o)
-    except ContractViolation as exc:
-        raise StageError(str(exc), stage_id=sid, request_id=req.request_id) from None
 
 
 class Events:
@@ -60,14 +50,17 @@ def feed_to(
     stage: str = "t",
     upstream: tuple[str, ...] = ("s",),
     send: trio.MemorySendChannel[StageInput] | None = None,
+    *,
+    stream: bool = False,
+    processor: InputProcessor = token_handoff,
 ) -> StageFeed:
-    # a stage taking its upstream's whole input: without a channel (deferred), it starts
-    # only once that input is complete
+    # by default a stage taking its upstream's whole input: without a channel (deferred),
+    # it starts only once that input is complete
     return StageFeed(
         stage,
         upstream,
-        stream=False,
-        processor=token_handoff,
+        stream=stream,
+        processor=processor,
         options={},
         send=send,
         request_id=req.request_id,
@@ -83,7 +76,7 @@ async def test_outputs_go_out_in_order_and_a_normal_end_without_a_finished_one_s
         outbox.send_nowait(out(tok))
     outbox.send_final_nowait(COMPLETED)
     outbox.close()
-    ready = await route_stage(req, "s", outbox, (), True, observers, record)
+    ready = await route_stage(req, "s", outbox, (), True, observers)
     assert list(ready) == []
     assert queued(req) == [("s", out(1)), ("s", out(2)), ("s", STOPPED)]
     assert req.lifecycle.stage_finished("s") and not req.lifecycle.failed
@@ -104,7 +97,7 @@ async def test_an_outbox_ended_without_completed_is_no_normal_end():
     outbox: OutputQueue[StageOutput] = OutputQueue(4)
     outbox.send_nowait(out(1))
     outbox.close()
-    ready = await route_stage(req, "s", outbox, (feed,), True, observers, record)
+    ready = await route_stage(req, "s", outbox, (feed,), True, observers)
     assert list(ready) == []
     assert queued(req) == [("s", out(1))]
     assert not req.lifecycle.stage_finished("s")
@@ -120,26 +113,34 @@ async def test_a_normal_end_makes_a_deferred_downstream_stage_ready_with_its_who
     outbox.send_nowait(out(6, finished=True))
     outbox.send_final_nowait(COMPLETED)
     outbox.close()
-    ready = await route_stage(req, "s", outbox, (feed,), True, observers, record)
+    ready = await route_stage(req, "s", outbox, (feed,), True, observers)
     ((made_ready, chunk),) = ready
     assert made_ready is feed
     assert chunk is not None and chunk.token_ids == (5, 6) and chunk.final
 
 
-async def test_an_output_after_the_finished_one_fails_the_request_without_raising():
+def broken(upstream, *, final, options, context=None):
+    raise RuntimeError("no input for you")
+
+
+async def test_a_failing_input_processor_fails_the_request_without_raising():
     req = request()
     observers, events = observed()
+    send, _receive = trio.open_memory_channel[StageInput](4)
+    streaming = feed_to(req, observers, send=send, stream=True, processor=broken)
     outbox: OutputQueue[StageOutput] = OutputQueue(4)
-    outbox.send_nowait(out(1, finished=True))
-    outbox.send_nowait(out(2))
+    outbox.send_nowait(out(1))
+    outbox.send_nowait(out(2, finished=True))
     outbox.send_final_nowait(COMPLETED)
     outbox.close()
-    ready = await route_stage(req, "s", outbox, (), True, observers, record)
+    ready = await route_stage(req, "s", outbox, (streaming,), True, observers)
     assert list(ready) == []
     assert req.lifecycle.failed
     (error,) = req.lifecycle.errors
-    assert isinstance(error, StageError) and error.stage_id == "s"
-    assert queued(req) == [("s", out(1, finished=True))]
+    # the downstream stage's failure, caused by its processor
+    assert isinstance(error, StageError) and error.stage_id == "t"
+    assert isinstance(error.__cause__, RuntimeError)
+    assert queued(req) == [("s", out(1))]  # the caller got the output routed before
     assert events.seen[-1] == ("finished", "s", "failed")
 
 
@@ -147,7 +148,7 @@ async def test_unstreamed_outputs_after_the_first_are_routed_when_the_outbox_is_
     req = request()
     outbox: OutputQueue[StageOutput] = OutputQueue(2)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(route_stage, req, "s", outbox, (), False, ObserverSet(), record)
+        nursery.start_soon(route_stage, req, "s", outbox, (), False, ObserverSet())
         await trio.testing.wait_all_tasks_blocked()
         outbox.send_nowait(out(1))
         await trio.testing.wait_all_tasks_blocked()
