@@ -4,7 +4,8 @@
 - :class:`PulledEmit`: an output stage that feeds no other stage. Its outputs go straight
   into the request's bounded queue; the queue's window is the backpressure.
 - :class:`CollectEmit`: a stage whose outputs nobody needs as they come. They are recorded
-  and kept; the stage's run hands them on once the backend returned.
+  (the request keeps every output); the stage's run hands them on once the backend
+  returned.
 - :class:`OutboxEmit`: any other stage. Its outputs fill the stage's bounded outbox, which
   its routing task empties.
 
@@ -95,25 +96,24 @@ class PulledEmit:
 
 
 class CollectEmit:
-    """The emit of a stage whose outputs nobody needs as they come: records each output and
-    keeps it in :attr:`outs`, for the stage's run to hand on once the backend returned."""
+    """The emit of a stage whose outputs nobody needs as they come: records each output (the
+    request keeps it), for the stage's run to hand them on once the backend returned."""
 
-    __slots__ = ("_req", "_sid", "outs")
+    __slots__ = ("_req", "_sid", "_since")
 
     def __init__(self, req: Request, sid: str) -> None:
         self._req = req
         self._sid = sid
-        #: the outputs so far, in order
-        self.outs: list[StageOutput] = []
+        # the request's outputs before this stage's first: its own are among the later ones
+        self._since = req.n_produced
 
     def emitter(self) -> Emitter:
         """The Emitter over :meth:`emit` and :meth:`emit_nowait`. Synchronous."""
         return Emitter(self.emit, self.emit_nowait)
 
     async def emit(self, out: StageOutput) -> None:
-        """Record and keep ``out``. Never checkpoints (nothing waits)."""
+        """Record ``out``. Never checkpoints (nothing waits)."""
         self._req.record(self._sid, out)
-        self.outs.append(out)
 
     def emit_nowait(self, out: StageOutput) -> bool:
         """:meth:`emit`, unless the request is being aborted or failed (then the awaited emit
@@ -122,8 +122,11 @@ class CollectEmit:
         if lifecycle.abort_requested or lifecycle.failed:
             return False
         self._req.record(self._sid, out)
-        self.outs.append(out)
         return True
+
+    def outputs(self) -> list[StageOutput]:
+        """The stage's outputs so far, in order. Synchronous."""
+        return self._req.stage_outputs(self._sid, self._since)
 
 
 class OutboxEmit:

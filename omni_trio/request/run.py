@@ -235,7 +235,6 @@ class StageRunner:
         # stage): the backend's outputs are kept, and routed here once it returned (out of
         # its call stack), straight to the downstream stages' input: no routing task.
         collect = CollectEmit(req, sid)
-        outs = collect.outs
         emitter = collect.emitter()
         if not await self._run_stage(req, sid, inputs, emitter, streamed=False, feeds=feeds):
             return NONE_READY
@@ -244,6 +243,7 @@ class StageRunner:
             if not req.lifecycle.failed:
                 if not req.lifecycle.stage_finished(sid):
                     await collect.emit(STOPPED)
+                outs = collect.outputs()
                 for feed in feeds:
                     feed.collect(sid, outs)  # none streams: this stage would be routed
                 for feed, chunk in finish_feeds(sid, feeds, ready):

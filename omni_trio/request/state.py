@@ -159,6 +159,17 @@ class Request:
         """How many outputs the stages produced so far."""
         return len(self._produced or ()) // 2
 
+    def stage_outputs(self, stage_id: str, since: int = 0) -> list[StageOutput]:
+        """Stage ``stage_id``'s outputs among those produced after the first ``since`` (an
+        :attr:`n_produced` taken before the stage's first output: the search then covers only
+        what came while the stage ran), in order. Synchronous."""
+        flat = self._produced or []
+        return [
+            out
+            for i in range(2 * since, len(flat), 2)
+            if flat[i] == stage_id and isinstance(out := flat[i + 1], StageOutput)
+        ]
+
     def produced(self) -> list[OmniOutput]:
         """Every stage's outputs so far as OmniOutputs, in the order they came. Synchronous."""
         flat = self._produced or []

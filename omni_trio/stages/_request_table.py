@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..errors import InvalidRequestError, StageAborted, StageError
-from ..outputs import Payload, StageOutput
+from ..outputs import Payload
 from ._running import RunningRequest, request_outcome
 from .emit import Emit, Emitter
 from .replica import ReplicaView
@@ -196,15 +196,13 @@ class RequestTable:
         await trio.lowlevel.cancel_shielded_checkpoint()
         return delivered is not False
 
-    async def abort(self, request_id: str) -> list[StageOutput]:
-        """Abort a running request; returns its outputs so far.
-
-        Always checkpoints; returns once the backend dropped the request. Unknown ids: ``[]``.
-        """
+    async def abort(self, request_id: str) -> None:
+        """Abort a running request; returns once the backend dropped it (its run raises
+        :class:`StageAborted` unless it had finished). Always checkpoints; a no-op for an
+        unknown id."""
         running = self._running.get(request_id)
         if running is None:
             await trio.lowlevel.checkpoint()
-            return []
+            return
         running.cancel()
         await running.wait_ended()
-        return list(running.partial or ())

@@ -91,7 +91,7 @@ async def test_collect_keeps_every_output_in_order_and_refuses_once_aborting_or_
     with trio.testing.assert_no_checkpoints():
         await collect.emit(out(1))
     assert collect.emit_nowait(out(2, finished=True))
-    assert [o.token_ids for o in collect.outs] == [(1,), (2,)]
+    assert [o.token_ids for o in collect.outputs()] == [(1,), (2,)]
     assert req.lifecycle.stage_finished("s") and req.n_produced == 2
     aborting = request()
     aborting.request_abort()
@@ -99,6 +99,19 @@ async def test_collect_keeps_every_output_in_order_and_refuses_once_aborting_or_
     failed = request()
     failed.fail("s", StageError("boom"))
     assert not CollectEmit(failed, "s").emit_nowait(out(1))
+
+
+async def test_collect_hands_on_its_own_outputs_from_the_requests_one_list():
+    req = request()
+    req.record("x", out(0))  # another stage's, before this one started
+    collect = CollectEmit(req, "s")
+    await collect.emit(out(1))
+    req.record("x", out(2))  # meanwhile
+    assert collect.emit_nowait(out(3, finished=True))
+    assert collect.outputs() == [out(1), out(3, finished=True)]
+    assert req.stage_outputs("x") == [out(0), out(2)]
+    # kept once, by the request, in the order they came (what abort() returns)
+    assert [o.token_ids for o in req.produced()] == [(0,), (1,), (2,), (3,)]
 
 
 async def test_outbox_emit_fills_the_outbox_then_waits_for_room():
