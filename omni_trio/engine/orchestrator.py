@@ -16,7 +16,7 @@ gives its slot back when its task ends. A request waiting for admission is a
 :class:`~omni_trio.request.state.WaitingRequest`: aborting it takes it out of the queue at once, it
 never runs, and its consumer gets its abort terminals as from any aborted request.
 
-The consumer gets a :class:`RequestHandle`: receive, cancel, cancel-and-wait, status. It never
+The consumer gets a :class:`RequestHandle`: its outputs, cancel, cancel-and-wait, status. It never
 reads or writes the request's state.
 """
 
@@ -237,7 +237,7 @@ class Orchestrator:
     async def _run_request(self, req: Request) -> None:
         feeds: list[StageFeed] = []
         try:
-            with req.scope:
+            with req.run_scope():
                 await self._runner.run(req, feeds)
         finally:
             for feed in feeds:

@@ -166,7 +166,7 @@ async def run_with_companions(
                 backend.run_request,
                 req.request_id,
                 inputs,
-                req.params[stage_id],
+                req.sampling_params(stage_id),
                 emit,
                 streamed=streamed,
                 context=context,

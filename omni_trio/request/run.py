@@ -41,8 +41,8 @@ from ..stages.pool import StagePool
 from ..stages.processors import InputProcessor
 from ..transport.queue import OutputQueue
 from .companions import companion_key, run_with_companions
-from .emits import CollectEmit, OutboxEmit, PulledEmit
-from .feeds import StageFeed, WholeInput
+from .emits import CollectEmit, OutboxEmit, pulled_emitter
+from .feeds import StageFeed, StageInputs, WholeInput
 from .planning import RequestPlan, StagePath, stage_path
 from .route import COMPLETED, NONE_READY, STOPPED, Ready, finish_feeds, route_stage
 from .state import Request
@@ -51,9 +51,6 @@ __all__ = ["StageRunner"]
 
 #: one stage task of a request (a backend run or a routing loop); returns what it made ready
 Run = Callable[[], Awaitable[Ready]]
-#: a stage's input: a channel (streamed input, or every stage while observers watch) or
-#: its whole input
-Inputs = trio.MemoryReceiveChannel[StageInput] | WholeInput
 
 
 class StageRunner:
@@ -149,15 +146,14 @@ class StageRunner:
         channel, unless observers watch) and return what runs at once. Synchronous."""
         plan = req.plan
         defer = not self.observers
-        inputs: dict[str, Inputs] = {}
+        inputs: dict[str, StageInputs] = {}
         feeds_of: dict[str, list[StageFeed]] = {sid: [] for sid in plan.active}
         context = req.context
         companion_stage = context.companion_stage if context.companions else None
         for sid in plan.active:
             st = self._stages[sid]
             if not st.inputs:
-                streamed = req.input
-                inputs[sid] = WholeInput(req.first_input) if streamed is None else streamed.receiver
+                inputs[sid] = req.entry_input()
                 continue
             upstream: Sequence[str] = self._upstream[sid]
             stream = st.stream_input
@@ -193,7 +189,7 @@ class StageRunner:
         ]
 
     def _stage_tasks(
-        self, req: Request, sid: str, inputs: Inputs, feeds: Sequence[StageFeed]
+        self, req: Request, sid: str, inputs: StageInputs, feeds: Sequence[StageFeed]
     ) -> list[Run]:
         """What runs for stage ``sid`` of a request: one or two tasks (see ``stage_path``).
         ``streamed``: a caller or a ``stream_input`` stage needs the outputs as they come
@@ -211,24 +207,24 @@ class StageRunner:
             partial(route_stage, req, sid, outbox, feeds, streamed, self.observers),
         ]
 
-    async def _run_pulled(self, req: Request, sid: str, inputs: Inputs) -> Ready:
+    async def _run_pulled(self, req: Request, sid: str, inputs: StageInputs) -> Ready:
         # An output stage that feeds no other stage: its outputs go into the request's own
         # queue, as they are, and the consumer turns them into OmniOutputs when it reads them
-        # (RequestHandle.receive): no routing task, no scheduler trip between the backend and
+        # (Request.next_output): no routing task, no scheduler trip between the backend and
         # the consumer. The queue's window is the backpressure.
 
-        pulled = PulledEmit(req, sid)
-        if await self._run_stage(req, sid, inputs, pulled.emitter(), streamed=True):
-            if not req.lifecycle.failed and not req.lifecycle.stage_finished(sid):
+        emitter = pulled_emitter(req, sid)
+        if await self._run_stage(req, sid, inputs, emitter, streamed=True):
+            if not req.failed and not req.stage_finished(sid):
                 # the backend ended without a finished output; the caller gets one
-                await pulled.emit(STOPPED)
+                await req.send_output(sid, STOPPED)
         return NONE_READY
 
     async def _run_collected(
         self,
         req: Request,
         sid: str,
-        inputs: Inputs,
+        inputs: StageInputs,
         feeds: Sequence[StageFeed],
     ) -> Ready:
         # A stage whose outputs nobody needs as they come (no caller, no streaming downstream
@@ -240,8 +236,8 @@ class StageRunner:
             return NONE_READY
         ready: list[tuple[StageFeed, StageInput | None]] = []
         try:
-            if not req.lifecycle.failed:
-                if not req.lifecycle.stage_finished(sid):
+            if not req.failed:
+                if not req.stage_finished(sid):
                     await collect.emit(STOPPED)
                 outs = collect.outputs()
                 for feed in feeds:
@@ -258,7 +254,7 @@ class StageRunner:
         self,
         req: Request,
         sid: str,
-        inputs: Inputs,
+        inputs: StageInputs,
         emit: Emit,
         *,
         streamed: bool,
@@ -268,7 +264,6 @@ class StageRunner:
         An abort through the pool aborts the request, any failure fails it. Its companions
         (on the entry stage that made them) run beside it on the same replica, their outputs
         into ``feeds``; it returns once they ended too. Checkpoints."""
-        # the pool's run_request, inlined: one coroutine frame less per stage in flight
         pool = self._pools[sid]
         rid = req.request_id
         try:
@@ -286,7 +281,12 @@ class StageRunner:
                         )
                     else:
                         await backend.run_request(
-                            rid, inputs, req.params[sid], emit, streamed=streamed, context=context
+                            rid,
+                            inputs,
+                            req.sampling_params(sid),
+                            emit,
+                            streamed=streamed,
+                            context=context,
                         )
                 finally:
                     pool.release(rid)
@@ -303,7 +303,7 @@ class StageRunner:
         self,
         req: Request,
         sid: str,
-        inputs: Inputs,
+        inputs: StageInputs,
         outbox: OutputQueue[StageOutput],
         streamed: bool,
         feeds: Sequence[StageFeed],

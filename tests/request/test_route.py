@@ -1,6 +1,7 @@
-"""A routed stage's routing task (_stage_route.py) on its own: what it delivers, in which
+"""A routed stage's routing task (request/route.py) on its own: what it delivers, in which
 order, what a stage's normal or abnormal end hands on, and what fails the request."""
 
+import pytest
 import trio
 import trio.testing
 
@@ -13,7 +14,7 @@ from omni_trio.request.state import Request
 from omni_trio.stages.processors import InputProcessor, token_handoff
 from omni_trio.transport.queue import OutputQueue
 
-from .test_emits import out, queued
+from .test_emits import out, queued, take
 from .test_emits import request as emits_request
 
 
@@ -68,7 +69,9 @@ def feed_to(
     )
 
 
-async def test_outputs_go_out_in_order_and_a_normal_end_without_a_finished_one_stops():
+async def test_outputs_go_out_in_order_and_a_normal_end_without_a_finished_one_stops(
+    autojump_clock,
+):
     req = request()
     observers, events = observed()
     outbox: OutputQueue[StageOutput] = OutputQueue(4)
@@ -78,8 +81,8 @@ async def test_outputs_go_out_in_order_and_a_normal_end_without_a_finished_one_s
     outbox.close()
     ready = await route_stage(req, "s", outbox, (), True, observers)
     assert list(ready) == []
-    assert queued(req) == [("s", out(1)), ("s", out(2)), ("s", STOPPED)]
-    assert req.lifecycle.stage_finished("s") and not req.lifecycle.failed
+    assert await queued(req) == [("s", out(1)), ("s", out(2)), ("s", STOPPED)]
+    assert req.stage_finished("s") and not req.failed
     assert events.seen == [
         ("started", "s"),
         ("output", "s", True),
@@ -89,7 +92,7 @@ async def test_outputs_go_out_in_order_and_a_normal_end_without_a_finished_one_s
     ]
 
 
-async def test_an_outbox_ended_without_completed_is_no_normal_end():
+async def test_an_outbox_ended_without_completed_is_no_normal_end(autojump_clock):
     # the backend failed or was aborted: no STOPPED output, nothing made ready
     req = request()
     observers, events = observed()
@@ -99,12 +102,14 @@ async def test_an_outbox_ended_without_completed_is_no_normal_end():
     outbox.close()
     ready = await route_stage(req, "s", outbox, (feed,), True, observers)
     assert list(ready) == []
-    assert queued(req) == [("s", out(1))]
-    assert not req.lifecycle.stage_finished("s")
+    assert await queued(req) == [("s", out(1))]
+    assert not req.stage_finished("s")
     assert events.seen[-1] == ("finished", "s", "aborted")
 
 
-async def test_a_normal_end_makes_a_deferred_downstream_stage_ready_with_its_whole_input():
+async def test_a_normal_end_makes_a_deferred_downstream_stage_ready_with_its_whole_input(
+    autojump_clock,
+):
     req = request()
     observers = ObserverSet()
     feed = feed_to(req, observers)
@@ -123,7 +128,7 @@ def broken(upstream, *, final, options, context=None):
     raise RuntimeError("no input for you")
 
 
-async def test_a_failing_input_processor_fails_the_request_without_raising():
+async def test_a_failing_input_processor_fails_the_request_without_raising(autojump_clock):
     req = request()
     observers, events = observed()
     send, _receive = trio.open_memory_channel[StageInput](4)
@@ -135,16 +140,20 @@ async def test_a_failing_input_processor_fails_the_request_without_raising():
     outbox.close()
     ready = await route_stage(req, "s", outbox, (streaming,), True, observers)
     assert list(ready) == []
-    assert req.lifecycle.failed
-    (error,) = req.lifecycle.errors
-    # the downstream stage's failure, caused by its processor
-    assert isinstance(error, StageError) and error.stage_id == "t"
-    assert isinstance(error.__cause__, RuntimeError)
-    assert queued(req) == [("s", out(1))]  # the caller got the output routed before
+    assert req.failed
     assert events.seen[-1] == ("finished", "s", "failed")
+    assert req.end() == "failed"
+    # the caller gets the output routed before, then the downstream stage's failure,
+    # caused by its processor
+    assert await take(req, 1) == [("s", out(1))]
+    with pytest.raises(StageError) as info:
+        await req.next_output()
+    assert info.value.stage_id == "t" and isinstance(info.value.__cause__, RuntimeError)
 
 
-async def test_unstreamed_outputs_after_the_first_are_routed_when_the_outbox_is_full():
+async def test_unstreamed_outputs_after_the_first_are_routed_when_the_outbox_is_full(
+    autojump_clock,
+):
     req = request()
     outbox: OutputQueue[StageOutput] = OutputQueue(2)
     async with trio.open_nursery() as nursery:
@@ -152,13 +161,13 @@ async def test_unstreamed_outputs_after_the_first_are_routed_when_the_outbox_is_
         await trio.testing.wait_all_tasks_blocked()
         outbox.send_nowait(out(1))
         await trio.testing.wait_all_tasks_blocked()
-        assert queued(req) == [("s", out(1))]  # the first one at once (its time is a metric)
+        assert await queued(req) == [("s", out(1))]  # the first one at once (its time is a metric)
         outbox.send_nowait(out(2))
         await trio.testing.wait_all_tasks_blocked()
-        assert queued(req) == []  # batched: the routing task still waits
+        assert await queued(req) == []  # batched: the routing task still waits
         outbox.send_nowait(out(3))  # the outbox is full: both go
         await trio.testing.wait_all_tasks_blocked()
-        assert queued(req) == [("s", out(2)), ("s", out(3))]
+        assert await queued(req) == [("s", out(2)), ("s", out(3))]
         outbox.close()
 
 
