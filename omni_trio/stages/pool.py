@@ -427,7 +427,8 @@ class StagePool:
 
     async def wait_settled(self) -> None:
         """Wait until no replica is starting or restarting (each is ready, draining or dead
-        for good); event-driven. Always checkpoints."""
+        for good); event-driven (see :func:`omni_trio.testing.wait_until_settled`). Always
+        checkpoints."""
         await trio.lowlevel.checkpoint()
         while any(slot.pending for slot in self._slots):
             await self._change.wait()

@@ -30,7 +30,7 @@ from omni_trio.outputs import StageInput, StageOutput
 from omni_trio.stages import StageAborted
 from omni_trio.stages._vllm_worker import EngineWorker
 from omni_trio.stages.vllm import THREAD_PREFIX, VllmBackend
-from omni_trio.testing import cancel_at_every_checkpoint
+from omni_trio.testing import cancel_at_every_checkpoint, wait_until_settled
 
 from ..conftest import bounded, engine_seconds, kill_tree
 
@@ -573,7 +573,7 @@ async def test_a_killed_engine_core_fails_only_its_requests_and_is_restarted() -
         assert failed == victims
         assert all(getattr(results[rid], "replica", None) == 0 for rid in failed)
         with bounded("the killed replica's restart", 180, engine):
-            await pool.wait_settled()
+            await wait_until_settled(engine)
         stats = pool.statistics()
         assert [r.state for r in stats.replicas] == ["ready", "ready"]
         assert [(r.restarts, r.failures) for r in stats.replicas] == [(1, 1), (0, 0)]
