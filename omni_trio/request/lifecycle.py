@@ -95,10 +95,6 @@ class RequestLifecycle:
         return self._status
 
     @property
-    def ended(self) -> bool:
-        return self._status in _TERMINAL
-
-    @property
     def failed(self) -> bool:
         """True as soon as an error is recorded (the request will end ``failed``)."""
         return bool(self._errors)

@@ -250,8 +250,7 @@ class Request:
     def send_output_nowait(self, stage_id: str, out: StageOutput) -> bool:
         """:meth:`send_output` if the window has room and no abort or failure is under way,
         else ``False`` (nothing changed: the awaited one decides). Synchronous."""
-        lifecycle = self._lifecycle
-        if lifecycle.abort_requested or lifecycle.failed:
+        if self.stopping:
             return False
         try:
             self._queue.send_nowait((stage_id, out))
