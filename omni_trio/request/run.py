@@ -21,8 +21,8 @@ task). What happens to a stage's outputs depends on who needs them
   observers and to the downstream stages' input processors.
 
 Input processors and observers never run inside a backend's call stack. A stage's failure
-fails the request (:meth:`~omni_trio.request.state.Request.fail`), an abort through a pool aborts
-it; nothing here decides the request's outcome.
+fails the request (:meth:`~omni_trio.request.state.Request.fail`), an abort through its
+replica aborts it; nothing here decides the request's outcome.
 """
 
 from __future__ import annotations
@@ -260,10 +260,11 @@ class StageRunner:
         streamed: bool,
         feeds: Sequence[StageFeed] = (),
     ) -> bool:
-        """Run the request on stage ``sid``'s pool; whether the backend returned normally.
-        An abort through the pool aborts the request, any failure fails it. Its companions
-        (on the entry stage that made them) run beside it on the same replica, their outputs
-        into ``feeds``; it returns once they ended too. Checkpoints."""
+        """Run the request on stage ``sid``'s pool (bound to a replica, run there, released);
+        whether the backend returned normally. An abort through the replica
+        (``StageBackend.abort``) aborts the request, any failure fails it. Its companions (on
+        the entry stage that made them) run beside it on the same replica, their outputs into
+        ``feeds``; it returns once they ended too. Checkpoints."""
         pool = self._pools[sid]
         rid = req.request_id
         try:
@@ -291,7 +292,7 @@ class StageRunner:
                 finally:
                     pool.release(rid)
         except StageAborted:
-            # dropped through a direct backend/pool abort: an abort, not a failure
+            # dropped through the replica's own abort: an abort, not a failure
             req.request_abort()
         except Exception as exc:
             req.fail(sid, exc)
