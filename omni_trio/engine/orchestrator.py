@@ -16,7 +16,7 @@ gives its slot back when its task ends. A request waiting for admission is a
 :class:`~omni_trio.request.state.WaitingRequest`: aborting it takes it out of the queue at once, it
 never runs, and its consumer gets its abort terminals as from any aborted request.
 
-The consumer gets a :class:`RequestHandle`: receive, cancel, cancel-and-wait, status. It never
+The consumer gets a :class:`RequestHandle`: its outputs, cancel, cancel-and-wait, status. It never
 reads or writes the request's state.
 """
 
@@ -40,7 +40,7 @@ from ..request.lifecycle import RequestStatus
 from ..request.output_builder import OutputBuilder
 from ..request.planning import RequestPlan
 from ..request.run import StageRunner
-from ..request.state import Request, RequestHandle, RequestInfo, WaitingRequest
+from ..request.state import Request, RequestHandle, WaitingRequest
 from ..request.streaming_input import RequestInput
 from ..stages.pool import StagePool
 from ..stages.processors import InputProcessor, load_processor
@@ -237,7 +237,7 @@ class Orchestrator:
     async def _run_request(self, req: Request) -> None:
         feeds: list[StageFeed] = []
         try:
-            with req.scope:
+            with req.run_scope():
                 await self._runner.run(req, feeds)
         finally:
             for feed in feeds:
@@ -337,11 +337,6 @@ class Orchestrator:
             await trio.lowlevel.checkpoint()
             return False
         return await self.interactions.deliver(req, payload)
-
-    def request_info(self, request_id: str) -> RequestInfo | None:
-        """A frozen snapshot of a request in flight, or None (unknown or ended)."""
-        req = self._requests.get(request_id)
-        return None if req is None else req.info()
 
     @property
     def requests_in_flight(self) -> int:

@@ -8,13 +8,13 @@ cancelled inside it, aborts the request in every stage and waits for that before
 waits for an output, it aborts and waits the same way; breaking out of such a loop aborts the
 request when the iterator is finalized (without waiting: only ``async with`` can wait).
 
-The stream holds a narrow :class:`~omni_trio.engine.orchestrator.RequestHandle` (receive, cancel,
-cancel-and-wait, status); the request itself is owned by the orchestrator.
+The stream holds a narrow :class:`~omni_trio.request.state.RequestHandle` (its outputs, cancel,
+cancel-and-wait, status, input); the request itself is owned by the orchestrator.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -142,7 +142,9 @@ class RequestStream:
         cancelling it aborts the request and waits until every stage dropped it."""
         handle = self._handle if self._handle is not None else await self._admit()
         try:
-            return await handle.receive()
+            return await handle.next_output()
+        except StopAsyncIteration:
+            raise trio.EndOfChannel from None
         except trio.Cancelled:
             if not self._in_context:
                 await self._leave()
@@ -228,24 +230,18 @@ class RequestStream:
         handle = self._handle
         if self._in_context and handle is not None:
             # inside `async with`, leaving the block is what ends the request: the iterator
-            # needs no finalizer, so it is the handle's own next_output (no async generator
-            # and no frame of its own per output)
-            return _Outputs(handle)
+            # needs no finalizer, so it is the request's own (no async generator and no
+            # frame of its own per output)
+            return handle.outputs()
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[OmniOutput]:
         try:
-            handle = self._handle if self._handle is not None else await self._admit()
             while True:
-                # receive() inlined: one frame less per output
                 try:
-                    out = await handle.receive()
+                    out = await self.receive()
                 except trio.EndOfChannel:
                     return
-                except trio.Cancelled:
-                    if not self._in_context:
-                        await self._leave()
-                    raise
                 yield out
         finally:
             # a plain `async for` that stopped early: trio finalizes this generator, and the
@@ -257,20 +253,3 @@ class RequestStream:
         return (
             f"<RequestStream {self.request_id!r} {self.status} outputs={list(self.plan.outputs)}>"
         )
-
-
-class _Outputs(AsyncIterator[OmniOutput]):
-    """A stream's outputs, iterated inside its ``async with`` block: each ``__anext__`` is
-    :meth:`RequestHandle.next_output` (always a checkpoint; cancelling it cancels the
-    request through the block's ``__aexit__``)."""
-
-    __slots__ = ("_next",)
-
-    def __init__(self, handle: RequestHandle) -> None:
-        self._next = handle.next_output
-
-    def __aiter__(self) -> _Outputs:
-        return self
-
-    def __anext__(self) -> Awaitable[OmniOutput]:
-        return self._next()

@@ -149,7 +149,7 @@ async def run_with_companions(
     Checkpoints. A companion's outputs are kept and, once it finished, handed to ``feeds``
     under :func:`companion_key` (those feeds do not stream for a request with companions:
     they wait for every source). A companion that fails fails ``req`` (a
-    :class:`StageError` naming its role); one aborted through the pool aborts it. Raises
+    :class:`StageError` naming its role); one aborted through the replica aborts it. Raises
     what the parent's ``run_request`` raises (then the companions are cancelled first).
     """
     context = req.context
@@ -166,7 +166,7 @@ async def run_with_companions(
                 backend.run_request,
                 req.request_id,
                 inputs,
-                req.params[stage_id],
+                req.sampling_params(stage_id),
                 emit,
                 streamed=streamed,
                 context=context,

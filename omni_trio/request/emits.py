@@ -1,23 +1,26 @@
 """The ``emit`` a stage's backend gets, for each place its outputs go (see
-:mod:`omni_trio.request.run`), and :func:`deliver`, which puts one into the consumer's queue.
+:mod:`omni_trio.request.run`).
 
-- :class:`PulledEmit`: an output stage that feeds no other stage. Its outputs go straight
-  into the request's bounded queue; the queue's window is the backpressure.
+- :func:`pulled_emitter`: an output stage that feeds no other stage. Its outputs go straight
+  into the request's bounded queue (:meth:`Request.send_output
+  <omni_trio.request.state.Request.send_output>`); the queue's window is the backpressure.
 - :class:`CollectEmit`: a stage whose outputs nobody needs as they come. They are recorded
-  and kept; the stage's run hands them on once the backend returned.
+  (the request keeps every output); the stage's run hands them on once the backend
+  returned.
 - :class:`OutboxEmit`: any other stage. Its outputs fill the stage's bounded outbox, which
   its routing task empties.
 
-Each is one slotted object per request-stage whose bound methods go into an
-:class:`~omni_trio.stages.emit.Emitter` (``emit`` awaited, ``emit_nowait`` its fast path):
-a request in flight holds no closures and no cells. ``emit_nowait`` only ever delivers: it
-refuses (``False``, nothing changed) whenever the awaited ``emit`` would do anything else
-(wait, abort, raise the contract violation).
+Each is an :class:`~omni_trio.stages.emit.Emitter` (``emit`` awaited, its ``nowait`` the
+fast path) over bound methods: a request in flight holds no closures and no cells. The fast
+path only ever delivers: it refuses (``False``, nothing changed) whenever the awaited
+``emit`` would do anything else (wait, abort). None checks the backend contract (nothing
+after the finished output): the replica that runs the request does, before any of them sees
+an output.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from functools import partial
 
 import trio
 
@@ -26,113 +29,49 @@ from ..stages.emit import Emitter
 from ..transport.queue import OutputQueue
 from .state import Request
 
-__all__ = ["CollectEmit", "OutboxEmit", "PulledEmit", "Record", "deliver"]
-
-#: the runner's record of one output of a stage (lifecycle, outputs kept for abort):
-#: ``record(req, sid, out) -> (sid, out)``; raises StageError naming the replica on a
-#: contract violation
-Record = Callable[[Request, str, StageOutput], tuple[str, StageOutput]]
+__all__ = ["CollectEmit", "OutboxEmit", "pulled_emitter"]
 
 
-async def deliver(req: Request, item: tuple[str, StageOutput]) -> None:
-    """Put a recorded output into the request's queue for the consumer. Checkpoints only
-    when the window is full or the consumer left (which is an abort).
-
-    A stage's finished output never waits for the window: the lifecycle already counts the
-    stage finished, so it must reach the consumer even if the request is cancelled now (a
-    cancelled wait would leave that stage with no finished output at all). It costs at most
-    one item per output stage past the window.
-    """
-    queue = req.queue
-    try:
-        try:
-            queue.send_nowait(item)
-        except trio.WouldBlock:
-            if item[1].finished:
-                queue.send_final_nowait(item)
-            else:
-                await queue.send(item)
-    except trio.BrokenResourceError:
-        # the consumer stopped listening: that is an abort
-        req.request_abort()
-        await trio.lowlevel.checkpoint()
-
-
-class PulledEmit:
-    """The emit of an output stage that feeds no other stage: into the request's queue, as
-    emitted (the consumer builds each OmniOutput when it reads it)."""
-
-    __slots__ = ("_record", "_req", "_sid")
-
-    def __init__(self, record: Record, req: Request, sid: str) -> None:
-        self._record = record
-        self._req = req
-        self._sid = sid
-
-    def emitter(self) -> Emitter:
-        """The Emitter over :meth:`emit` and :meth:`emit_nowait`. Synchronous."""
-        return Emitter(self.emit, self.emit_nowait)
-
-    async def emit(self, out: StageOutput) -> None:
-        """Record ``out`` and queue it; waits only when the window is full (see
-        :func:`deliver`). Raises StageError for an output after the stage's finished one."""
-        req = self._req
-        item = self._record(req, self._sid, out)
-        try:
-            req.queue.send_nowait(item)  # the usual case, room in the window: no coroutine
-        except (trio.WouldBlock, trio.BrokenResourceError):
-            await deliver(req, item)
-
-    def emit_nowait(self, out: StageOutput) -> bool:
-        """Into the window if it has room, and only when :meth:`emit` would do just that (no
-        abort, failure, violation). Synchronous."""
-        req = self._req
-        sid = self._sid
-        lifecycle = req.lifecycle
-        if lifecycle.abort_requested or lifecycle.failed or lifecycle.stage_finished(sid):
-            return False
-        try:
-            req.queue.send_nowait((sid, out))
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            return False
-        # the record, inlined: the stage had not finished, so the lifecycle only needs to hear
-        # of a finished output
-        if out.finished:
-            lifecycle.stage_output(sid, True)
-        req.keep(sid, out)
-        return True
+def pulled_emitter(req: Request, sid: str) -> Emitter:
+    """The emit of output stage ``sid`` that feeds no other stage: the request's own
+    :meth:`~omni_trio.request.state.Request.send_output` (the consumer builds each
+    OmniOutput when it reads it), its fast path
+    :meth:`~omni_trio.request.state.Request.send_output_nowait`. Synchronous."""
+    return Emitter(partial(req.send_output, sid), partial(req.send_output_nowait, sid))
 
 
 class CollectEmit:
-    """The emit of a stage whose outputs nobody needs as they come: records each output and
-    keeps it in :attr:`outs`, for the stage's run to hand on once the backend returned."""
+    """The emit of a stage whose outputs nobody needs as they come: records each output (the
+    request keeps it), for the stage's run to hand them on once the backend returned."""
 
-    __slots__ = ("_record", "_req", "_sid", "outs")
+    __slots__ = ("_req", "_sid", "_since")
 
-    def __init__(self, record: Record, req: Request, sid: str) -> None:
-        self._record = record
+    def __init__(self, req: Request, sid: str) -> None:
         self._req = req
         self._sid = sid
-        #: the outputs so far, in order
-        self.outs: list[StageOutput] = []
+        # the request's outputs before this stage's first: its own are among the later ones
+        self._since = req.n_produced
 
     def emitter(self) -> Emitter:
         """The Emitter over :meth:`emit` and :meth:`emit_nowait`. Synchronous."""
         return Emitter(self.emit, self.emit_nowait)
 
     async def emit(self, out: StageOutput) -> None:
-        """Record and keep ``out``. Never checkpoints (nothing waits). Raises StageError for
-        an output after the stage's finished one."""
-        self.outs.append(self._record(self._req, self._sid, out)[1])
+        """Record ``out``. Never checkpoints (nothing waits)."""
+        self._req.record(self._sid, out)
 
     def emit_nowait(self, out: StageOutput) -> bool:
-        """:meth:`emit`, unless the request is being aborted or failed or the stage already
-        finished (then the awaited emit raises the violation, or is cancelled). Synchronous."""
-        lifecycle = self._req.lifecycle
-        if lifecycle.abort_requested or lifecycle.failed or lifecycle.stage_finished(self._sid):
+        """:meth:`emit`, unless the request is being aborted or failed (then the awaited emit
+        is cancelled). Synchronous."""
+        req = self._req
+        if req.stopping:
             return False
-        self.outs.append(self._record(self._req, self._sid, out)[1])
+        req.record(self._sid, out)
         return True
+
+    def outputs(self) -> list[StageOutput]:
+        """The stage's outputs so far, in order. Synchronous."""
+        return self._req.stage_outputs(self._sid, self._since)
 
 
 class OutboxEmit:
@@ -159,8 +98,7 @@ class OutboxEmit:
     def emit_nowait(self, out: StageOutput) -> bool:
         """Into the outbox if it has room and the request is neither aborting nor failed.
         Synchronous."""
-        lifecycle = self._req.lifecycle
-        if lifecycle.abort_requested or lifecycle.failed:
+        if self._req.stopping:
             return False
         try:
             self._outbox.send_nowait(out)

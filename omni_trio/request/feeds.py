@@ -30,7 +30,7 @@ from ..stages.processors import InputProcessor, StageContext
 if TYPE_CHECKING:
     from ..context import RequestContext
 
-__all__ = ["StageFeed", "WholeInput"]
+__all__ = ["StageFeed", "StageInputs", "WholeInput"]
 
 
 class WholeInput(trio.abc.ReceiveChannel[StageInput]):
@@ -86,6 +86,11 @@ class WholeInput(trio.abc.ReceiveChannel[StageInput]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: a stage's input as a request's run gives it: a channel (streamed input, or any stage while
+#: observers watch) or its whole input
+StageInputs = trio.MemoryReceiveChannel[StageInput] | WholeInput
 
 
 class StageFeed:

@@ -85,7 +85,7 @@ class Interactions:
             backend = pool.replica_of(rid)
             if backend is not None and backend.has_request(rid):
                 return backend
-            if req.ended or req.lifecycle.stage_finished(sid):
+            if req.ended or req.stage_finished(sid):
                 return None
             if await self._wait_run(req, sid) != "started":
                 return None  # its run there ended (or the request did) before we saw it

@@ -2,15 +2,16 @@
 
 admitted -> running -> finished | aborted | failed
 
-The orchestrator owns one per request and feeds it what happens (a stage's output, a stage
-ending, an error, an abort); the lifecycle decides what that means: whether an output breaks
-the backend contract, which output stages still need an abort terminal, what the request's
-final status is. No I/O, no checkpoints, no trio: every rule here is unit-tested on its own.
+The orchestrator owns one per request and feeds it what happens (a stage's finished output,
+an error, an abort); the lifecycle decides what that means: which output stages still need an
+abort terminal, what the request's final status is. No I/O, no checkpoints, no trio: every
+rule here is unit-tested on its own. It only records: that a stage emits nothing after its
+finished output is the backend contract, checked where a replica runs the request
+(:mod:`omni_trio.stages._running`, which names the replica).
 
 The rules:
 
-- exactly one terminal per output stage: a stage's own finished output is its terminal; an
-  output after it breaks the backend contract (:class:`ContractViolation`);
+- exactly one terminal per output stage: a stage's own finished output is its terminal;
 - an error wins over an abort: a stage error raised while the request was being aborted or the
   engine was closing still fails the request (the consumer gets the error, not an abort);
 - an abort that lands after every output stage finished changes nothing: the request finished;
@@ -23,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal
 
-__all__ = ["ContractViolation", "RequestLifecycle", "RequestStatus"]
+__all__ = ["RequestLifecycle", "RequestStatus"]
 
 RequestStatus = Literal["admitted", "running", "finished", "aborted", "failed"]
 _TERMINAL: frozenset[str] = frozenset({"finished", "aborted", "failed"})
@@ -31,10 +32,6 @@ _TERMINAL: frozenset[str] = frozenset({"finished", "aborted", "failed"})
 #: pipelines of a few stages), then as a set (a request through thousands of stages stays
 #: linear)
 _FEW = 8
-
-
-class ContractViolation(Exception):
-    """A stage broke the backend contract (an output after its finished output)."""
 
 
 class RequestLifecycle:
@@ -58,21 +55,16 @@ class RequestLifecycle:
             raise RuntimeError(f"request {self.request_id!r} cannot start: it is {self._status}")
         self._status = "running"
 
-    def stage_output(self, stage_id: str, finished: bool) -> None:
-        """A stage produced an output. Raises ContractViolation if that stage had finished."""
+    def finish_stage(self, stage_id: str) -> None:
+        """A stage delivered its finished output (once per stage: the replica running it
+        enforces that)."""
         done = self._finished
-        if stage_id in done:
-            raise ContractViolation(
-                f"stage {stage_id!r} produced an output for request {self.request_id!r} "
-                f"after its finished output"
-            )
-        if finished:
-            if isinstance(done, set):
-                done.add(stage_id)
-            elif len(done) < _FEW:
-                self._finished = (*done, stage_id)
-            else:
-                self._finished = {*done, stage_id}
+        if isinstance(done, set):
+            done.add(stage_id)
+        elif len(done) < _FEW:
+            self._finished = (*done, stage_id)
+        else:
+            self._finished = {*done, stage_id}
 
     def request_abort(self) -> bool:
         """Note an abort request. False if the request had already ended (nothing to do)."""
@@ -101,10 +93,6 @@ class RequestLifecycle:
     @property
     def status(self) -> RequestStatus:
         return self._status
-
-    @property
-    def ended(self) -> bool:
-        return self._status in _TERMINAL
 
     @property
     def failed(self) -> bool:

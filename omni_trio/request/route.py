@@ -22,7 +22,6 @@ from ..errors import OmniTrioError
 from ..observer import ObserverSet
 from ..outputs import StageInput, StageOutput
 from ..transport.queue import OutputQueue
-from .emits import Record, deliver
 from .feeds import StageFeed
 from .state import Request
 
@@ -60,11 +59,10 @@ async def route_stage(
     feeds: Sequence[StageFeed],
     streamed: bool,
     observers: ObserverSet,
-    record: Record,
 ) -> Ready:
     """The routing task of stage ``sid`` of ``req``: route each output of its outbox until
     the outbox ends; what the stage's end made ready. Checkpoints. A routing failure
-    (contract, input processor) fails the request, it is not raised."""
+    (an input processor) fails the request, it is not raised."""
     rid = req.request_id
     status = "aborted"
     first = True
@@ -74,6 +72,8 @@ async def route_stage(
     # wakes when the outbox is full or the backend ended, not once per output.
     batch = not streamed
     ready: list[tuple[StageFeed, StageInput | None]] = []
+    # whether the caller gets its outputs (an output stage)
+    output = sid in req.plan.output_set
     if observers:
         observers.emit("stage_started", rid, sid)
     try:
@@ -94,21 +94,21 @@ async def route_stage(
             if out is COMPLETED:
                 completed = True
                 continue
-            await _route(req, sid, out, feeds, first, observers, record)
+            await _route(req, sid, out, output, feeds, first, observers)
             first = False
-        if completed and not req.lifecycle.failed:
-            if not req.lifecycle.stage_finished(sid):
+        if completed and not req.failed:
+            if not req.stage_finished(sid):
                 # the backend ended without a finished output; the caller gets one
-                await _route(req, sid, STOPPED, feeds, first, observers, record)
+                await _route(req, sid, STOPPED, output, feeds, first, observers)
             for feed, chunk in finish_feeds(sid, feeds, ready):
                 await feed.send_final(chunk)
             status = "finished"
     except OmniTrioError as exc:
-        # a routing failure (contract, input processor): cancels the request, and with
-        # it this stage's backend
+        # a routing failure (an input processor): cancels the request, and with it this
+        # stage's backend
         req.fail(sid, exc)
     finally:
-        if req.lifecycle.failed and status != "finished":
+        if req.failed and status != "finished":
             status = "failed"
         if observers:
             observers.emit("stage_finished", rid, sid, status)
@@ -119,22 +119,22 @@ async def _route(
     req: Request,
     sid: str,
     out: StageOutput,
+    output: bool,
     feeds: Sequence[StageFeed],
     first: bool,
     observers: ObserverSet,
-    record: Record,
 ) -> None:
-    """Deliver one output of stage ``sid``: to the caller (if an output stage) and to the
-    downstream feeds. Checkpoints only when a channel is full (backpressure); the routing
-    loop that calls it checkpoints per output. Raises StageError (contract or processor
-    failures)."""
-    item = record(req, sid, out)
+    """Deliver one output of stage ``sid``: to the caller (if ``output``, an output stage)
+    and to the downstream feeds. Checkpoints only when a channel is full (backpressure); the routing
+    loop that calls it checkpoints per output. Raises StageError (an input processor
+    failed)."""
+    req.record(sid, out)
     if observers:
         observers.emit("stage_output", req.request_id, sid, first)
-    if sid in req.plan.output_set:
+    if output:
         # the routing loop checkpoints on every output it takes from the outbox: pass
         # this one on without another trip through the scheduler unless the window is full
-        await deliver(req, item)
+        await req.deliver(sid, out)
     for feed in feeds:
         chunk = feed.take(sid, out)
         if chunk is not None:

@@ -21,8 +21,8 @@ task). What happens to a stage's outputs depends on who needs them
   observers and to the downstream stages' input processors.
 
 Input processors and observers never run inside a backend's call stack. A stage's failure
-fails the request (:meth:`~omni_trio.request.state.Request.fail`), an abort through a pool aborts
-it; nothing here decides the request's outcome.
+fails the request (:meth:`~omni_trio.request.state.Request.fail`), an abort through its
+replica aborts it; nothing here decides the request's outcome.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from functools import partial
 import trio
 
 from ..config.pipeline import PipelineConfig
-from ..errors import OmniTrioError, StageAborted, StageError
+from ..errors import OmniTrioError, StageAborted
 from ..observer import ObserverSet
 from ..outputs import StageInput, StageOutput
 from ..stages.emit import Emit
@@ -41,9 +41,8 @@ from ..stages.pool import StagePool
 from ..stages.processors import InputProcessor
 from ..transport.queue import OutputQueue
 from .companions import companion_key, run_with_companions
-from .emits import CollectEmit, OutboxEmit, PulledEmit
-from .feeds import StageFeed, WholeInput
-from .lifecycle import ContractViolation
+from .emits import CollectEmit, OutboxEmit, pulled_emitter
+from .feeds import StageFeed, StageInputs, WholeInput
 from .planning import RequestPlan, StagePath, stage_path
 from .route import COMPLETED, NONE_READY, STOPPED, Ready, finish_feeds, route_stage
 from .state import Request
@@ -52,9 +51,6 @@ __all__ = ["StageRunner"]
 
 #: one stage task of a request (a backend run or a routing loop); returns what it made ready
 Run = Callable[[], Awaitable[Ready]]
-#: a stage's input: a channel (streamed input, or every stage while observers watch) or
-#: its whole input
-Inputs = trio.MemoryReceiveChannel[StageInput] | WholeInput
 
 
 class StageRunner:
@@ -150,15 +146,14 @@ class StageRunner:
         channel, unless observers watch) and return what runs at once. Synchronous."""
         plan = req.plan
         defer = not self.observers
-        inputs: dict[str, Inputs] = {}
+        inputs: dict[str, StageInputs] = {}
         feeds_of: dict[str, list[StageFeed]] = {sid: [] for sid in plan.active}
         context = req.context
         companion_stage = context.companion_stage if context.companions else None
         for sid in plan.active:
             st = self._stages[sid]
             if not st.inputs:
-                streamed = req.input
-                inputs[sid] = WholeInput(req.first_input) if streamed is None else streamed.receiver
+                inputs[sid] = req.entry_input()
                 continue
             upstream: Sequence[str] = self._upstream[sid]
             stream = st.stream_input
@@ -194,7 +189,7 @@ class StageRunner:
         ]
 
     def _stage_tasks(
-        self, req: Request, sid: str, inputs: Inputs, feeds: Sequence[StageFeed]
+        self, req: Request, sid: str, inputs: StageInputs, feeds: Sequence[StageFeed]
     ) -> list[Run]:
         """What runs for stage ``sid`` of a request: one or two tasks (see ``stage_path``).
         ``streamed``: a caller or a ``stream_input`` stage needs the outputs as they come
@@ -209,58 +204,42 @@ class StageRunner:
         outbox: OutputQueue[StageOutput] = OutputQueue(self.config.output_buffer)
         return [
             partial(self._run_backend, req, sid, inputs, outbox, streamed, feeds),
-            partial(route_stage, req, sid, outbox, feeds, streamed, self.observers, self._record),
+            partial(route_stage, req, sid, outbox, feeds, streamed, self.observers),
         ]
 
-    def _record(self, req: Request, sid: str, out: StageOutput) -> tuple[str, StageOutput]:
-        """Note an output of stage ``sid`` in the request's lifecycle and its outputs so far.
-        Synchronous. Raises StageError naming the replica if the stage had finished."""
-        try:
-            req.lifecycle.stage_output(sid, out.finished)
-        except ContractViolation as exc:
-            replica = self._pools[sid].replica_of(req.request_id)
-            name = replica.name if replica is not None else f"{sid}[?]"
-            raise StageError(
-                f"replica {name} broke the backend contract: {exc}",
-                stage_id=sid,
-                request_id=req.request_id,
-            ) from None
-        req.keep(sid, out)
-        return (sid, out)
-
-    async def _run_pulled(self, req: Request, sid: str, inputs: Inputs) -> Ready:
+    async def _run_pulled(self, req: Request, sid: str, inputs: StageInputs) -> Ready:
         # An output stage that feeds no other stage: its outputs go into the request's own
         # queue, as they are, and the consumer turns them into OmniOutputs when it reads them
-        # (RequestHandle.receive): no routing task, no scheduler trip between the backend and
+        # (Request.next_output): no routing task, no scheduler trip between the backend and
         # the consumer. The queue's window is the backpressure.
 
-        pulled = PulledEmit(self._record, req, sid)
-        if await self._run_stage(req, sid, inputs, pulled.emitter(), streamed=True):
-            if not req.lifecycle.failed and not req.lifecycle.stage_finished(sid):
+        emitter = pulled_emitter(req, sid)
+        if await self._run_stage(req, sid, inputs, emitter, streamed=True):
+            if not req.failed and not req.stage_finished(sid):
                 # the backend ended without a finished output; the caller gets one
-                await pulled.emit(STOPPED)
+                await req.send_output(sid, STOPPED)
         return NONE_READY
 
     async def _run_collected(
         self,
         req: Request,
         sid: str,
-        inputs: Inputs,
+        inputs: StageInputs,
         feeds: Sequence[StageFeed],
     ) -> Ready:
         # A stage whose outputs nobody needs as they come (no caller, no streaming downstream
         # stage): the backend's outputs are kept, and routed here once it returned (out of
         # its call stack), straight to the downstream stages' input: no routing task.
-        collect = CollectEmit(self._record, req, sid)
-        outs = collect.outs
+        collect = CollectEmit(req, sid)
         emitter = collect.emitter()
         if not await self._run_stage(req, sid, inputs, emitter, streamed=False, feeds=feeds):
             return NONE_READY
         ready: list[tuple[StageFeed, StageInput | None]] = []
         try:
-            if not req.lifecycle.failed:
-                if not req.lifecycle.stage_finished(sid):
-                    outs.append(self._record(req, sid, STOPPED)[1])
+            if not req.failed:
+                if not req.stage_finished(sid):
+                    await collect.emit(STOPPED)
+                outs = collect.outputs()
                 for feed in feeds:
                     feed.collect(sid, outs)  # none streams: this stage would be routed
                 for feed, chunk in finish_feeds(sid, feeds, ready):
@@ -275,17 +254,17 @@ class StageRunner:
         self,
         req: Request,
         sid: str,
-        inputs: Inputs,
+        inputs: StageInputs,
         emit: Emit,
         *,
         streamed: bool,
         feeds: Sequence[StageFeed] = (),
     ) -> bool:
-        """Run the request on stage ``sid``'s pool; whether the backend returned normally.
-        An abort through the pool aborts the request, any failure fails it. Its companions
-        (on the entry stage that made them) run beside it on the same replica, their outputs
-        into ``feeds``; it returns once they ended too. Checkpoints."""
-        # the pool's run_request, inlined: one coroutine frame less per stage in flight
+        """Run the request on stage ``sid``'s pool (bound to a replica, run there, released);
+        whether the backend returned normally. An abort through the replica
+        (``StageBackend.abort``) aborts the request, any failure fails it. Its companions (on
+        the entry stage that made them) run beside it on the same replica, their outputs into
+        ``feeds``; it returns once they ended too. Checkpoints."""
         pool = self._pools[sid]
         rid = req.request_id
         try:
@@ -303,12 +282,17 @@ class StageRunner:
                         )
                     else:
                         await backend.run_request(
-                            rid, inputs, req.params[sid], emit, streamed=streamed, context=context
+                            rid,
+                            inputs,
+                            req.sampling_params(sid),
+                            emit,
+                            streamed=streamed,
+                            context=context,
                         )
                 finally:
                     pool.release(rid)
         except StageAborted:
-            # dropped through a direct backend/pool abort: an abort, not a failure
+            # dropped through the replica's own abort: an abort, not a failure
             req.request_abort()
         except Exception as exc:
             req.fail(sid, exc)
@@ -320,7 +304,7 @@ class StageRunner:
         self,
         req: Request,
         sid: str,
-        inputs: Inputs,
+        inputs: StageInputs,
         outbox: OutputQueue[StageOutput],
         streamed: bool,
         feeds: Sequence[StageFeed],

@@ -1,23 +1,26 @@
-"""One admitted request: its state (:class:`Request`, owned by the orchestrator), the
-consumer's narrow :class:`RequestHandle` on it, and a frozen :class:`RequestInfo` snapshot;
-and a request still waiting for admission (:class:`WaitingRequest`), which an abort takes out
-of the queue.
+"""One admitted request: its state (:class:`Request`, owned by the orchestrator) and the
+consumer's narrow :class:`RequestHandle` on it; and a request still waiting for admission
+(:class:`WaitingRequest`), which an abort takes out of the queue.
 
-A :class:`Request` changes only through its own methods: an abort is requested
-(:meth:`Request.request_abort`), a stage fails it (:meth:`Request.fail`), its task ends
-(:meth:`Request.end`, which decides the outcome with the pure
-:class:`~omni_trio.request.lifecycle.RequestLifecycle` and queues the terminal outputs or the error
-to the consumer, through the same queue as every other output). "Cancel and wait until every
-stage dropped it" is written once, :meth:`Request.cancel_and_wait` (shielded: leaving a stream
-keeps that promise); an abort's own wait (:meth:`Request.aborted`) is the caller's to cancel,
-and the abort, once committed, completes in the request's own task either way.
+A :class:`Request` changes only through its own methods: a stage's output is recorded
+(:meth:`Request.record`: kept, once, for ``abort()``; the lifecycle notes a finished stage)
+and queued for the consumer (:meth:`Request.send_output`, :meth:`Request.deliver`), who reads
+it (:meth:`Request.next_output`); an abort is requested (:meth:`Request.request_abort`), a
+stage fails it (:meth:`Request.fail`), its task ends (:meth:`Request.end`, which decides the
+outcome with the pure :class:`~omni_trio.request.lifecycle.RequestLifecycle` and queues the
+terminal outputs or the error to the consumer, through the same queue as every other output).
+"Cancel and wait until every stage dropped it" is written once,
+:meth:`Request.cancel_and_wait` (shielded: leaving a stream keeps that promise); an abort's
+own wait (:meth:`Request.aborted`) is the caller's to cancel, and the abort, once committed,
+completes in the request's own task either way.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import AbstractContextManager
 
 import outcome
 import trio
@@ -25,14 +28,15 @@ import trio
 from ..context import RequestContext
 from ..errors import InvalidRequestError, OmniTrioError, StageError
 from ..failures import request_error
-from ..outputs import FINISH_ABORT, OmniOutput, StageInput, StageOutput
+from ..outputs import FINISH_ABORT, OmniOutput, SamplingParams, StageInput, StageOutput
 from ..transport.queue import OutputQueue
+from .feeds import StageInputs, WholeInput
 from .lifecycle import RequestLifecycle, RequestStatus
 from .output_builder import Convert
 from .planning import RequestPlan
 from .streaming_input import RequestInput
 
-__all__ = ["Request", "RequestHandle", "RequestInfo", "WaitingRequest"]
+__all__ = ["Request", "RequestHandle", "WaitingRequest"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,43 +49,26 @@ StageItem = tuple[str, StageOutput]
 _Item = OmniOutput | StageItem | outcome.Error
 
 
-@dataclass(frozen=True, slots=True)
-class RequestInfo:
-    """A snapshot of one request in flight (``Orchestrator.request_info``)."""
-
-    request_id: str
-    status: RequestStatus
-    stages: tuple[str, ...]
-    finished_stages: tuple[str, ...]
-    outputs_produced: int
-    outputs_queued: int
-    abort_requested: bool
-
-    def __repr__(self) -> str:
-        return (
-            f"<RequestInfo {self.request_id!r} {self.status} stages={list(self.stages)} "
-            f"finished={list(self.finished_stages)} produced={self.outputs_produced} "
-            f"queued={self.outputs_queued}{' abort-requested' if self.abort_requested else ''}>"
-        )
-
-
 class Request:
-    """Everything the orchestrator holds for one request; dropped when its task ends."""
+    """Everything the orchestrator holds for one request; dropped when its task ends.
+
+    Its state is private: the request core and the consumer change it only through the
+    methods below, each as cheap as the code it replaced on the paths every output takes.
+    """
 
     __slots__ = (
-        "convert",
-        "context",
-        "input",
+        "_context",
+        "_convert",
         "_done",
         "_ended",
         "_error",
-        "first_input",
-        "lifecycle",
-        "params",
+        "_first_input",
+        "_input",
+        "_lifecycle",
+        "_plan",
         "_produced",
-        "plan",
-        "queue",
-        "scope",
+        "_queue",
+        "_scope",
     )
 
     def __init__(
@@ -94,19 +81,19 @@ class Request:
         convert: Convert,
         streamed_input: RequestInput | None = None,
     ) -> None:
-        #: (request id, stage id, StageOutput) -> the OmniOutput a caller gets; set once
-        self.convert = convert
-        self.plan = plan
-        self.first_input = first_input
-        self.context = context
-        #: the entry stage's input, sent in segments by the caller (``streaming_input``)
-        self.input = streamed_input
-        #: every stage's sampling params (the context's, read per stage run)
-        self.params = context.sampling_params
-        self.lifecycle = RequestLifecycle(request_id, plan.outputs)
-        self.lifecycle.start()
-        self.queue: OutputQueue[_Item] = OutputQueue(window)
-        self.scope = trio.CancelScope()
+        # (request id, stage id, StageOutput) -> the OmniOutput a caller gets
+        self._convert = convert
+        self._plan = plan
+        self._first_input = first_input
+        self._context = context
+        # the entry stage's input, sent in segments by the caller (``streaming_input``)
+        self._input = streamed_input
+        self._lifecycle = RequestLifecycle(request_id, plan.outputs)
+        self._lifecycle.start()
+        # the consumer's queue: every output, terminal or error it reads
+        self._queue: OutputQueue[_Item] = OutputQueue(window)
+        # the request's stages run in it: an abort cancels it
+        self._scope = trio.CancelScope()
         # every stage's outputs so far, in the order they came (``abort()`` returns them),
         # flat: stage id, output, stage id, output... (no pair per output); created by the
         # first one
@@ -115,13 +102,64 @@ class Request:
         self._done: trio.Event | None = None  # created by the first waiter
         self._error: BaseException | None = None  # set when the request ends failed
 
+    # -- what it is (set once) -----------------------------------------------------------------
     @property
     def request_id(self) -> str:
-        return self.lifecycle.request_id
+        return self._lifecycle.request_id
+
+    @property
+    def plan(self) -> RequestPlan:
+        """Its route: the stages it runs on, their outputs' destinations."""
+        return self._plan
+
+    @property
+    def context(self) -> RequestContext:
+        """What it carries (prompt, sampling params, options, companions, artifacts)."""
+        return self._context
+
+    def sampling_params(self, stage_id: str) -> SamplingParams:
+        """Stage ``stage_id``'s sampling params. Synchronous."""
+        return self._context.sampling_params[stage_id]
+
+    def entry_input(self) -> StageInputs:
+        """What an entry stage reads: the prompt whole, or (``streaming_input``) the segments
+        the caller sends. Synchronous; for the one entry stage run."""
+        streamed = self._input
+        return WholeInput(self._first_input) if streamed is None else streamed.receiver
+
+    def run_scope(self) -> AbstractContextManager[object]:
+        """The cancel scope its stages run in (entered once, by its task): an abort or a
+        failure cancels it. Synchronous."""
+        return self._scope
+
+    # -- where it is -------------------------------------------------------------------------
+    @property
+    def status(self) -> RequestStatus:
+        return self._lifecycle.status
 
     @property
     def ended(self) -> bool:
         return self._ended
+
+    @property
+    def failed(self) -> bool:
+        """A stage failed it (it will end ``failed``)."""
+        return self._lifecycle.failed
+
+    @property
+    def stopping(self) -> bool:
+        """An abort was requested or a stage failed it: its stages are being cancelled."""
+        lifecycle = self._lifecycle
+        return lifecycle.abort_requested or lifecycle.failed
+
+    def stage_finished(self, stage_id: str) -> bool:
+        """Whether stage ``stage_id`` delivered its finished output. Synchronous."""
+        return self._lifecycle.stage_finished(stage_id)
+
+    @property
+    def n_produced(self) -> int:
+        """How many outputs the stages produced so far."""
+        return len(self._produced or ()) // 2
 
     def _ended_event(self) -> trio.Event:
         if self._done is None:
@@ -133,8 +171,8 @@ class Request:
     # -- transitions -------------------------------------------------------------------------
     def request_abort(self) -> None:
         """Abort: cancel the request's scope. Synchronous; a no-op once it ended."""
-        if self.lifecycle.request_abort():
-            self.scope.cancel()
+        if self._lifecycle.request_abort():
+            self._scope.cancel()
 
     def fail(self, stage_id: str, exc: BaseException) -> None:
         """Record a request-scoped failure of stage ``stage_id`` and cancel the request.
@@ -154,18 +192,21 @@ class Request:
                 request_id=self.request_id,
             )
             error.__cause__ = exc
-        if self.lifecycle.abort_requested:
+        if self._lifecycle.abort_requested:
             logger.warning(
                 "request %r failed in stage %r while being aborted: %r",
                 self.request_id,
                 stage_id,
                 error,
             )
-        self.lifecycle.fail(error)
-        self.scope.cancel()
+        self._lifecycle.fail(error)
+        self._scope.cancel()
 
-    def keep(self, stage_id: str, out: StageOutput) -> None:
-        """Keep an output of stage ``stage_id`` for :meth:`abort`. Synchronous."""
+    def record(self, stage_id: str, out: StageOutput) -> None:
+        """Note an output of stage ``stage_id``: kept for :meth:`abort`, and the stage counts
+        finished once it is its finished output. Synchronous."""
+        if out.finished:
+            self._lifecycle.finish_stage(stage_id)
         produced = self._produced
         if produced is None:
             self._produced = [stage_id, out]
@@ -173,15 +214,21 @@ class Request:
             produced.append(stage_id)
             produced.append(out)
 
-    @property
-    def n_produced(self) -> int:
-        """How many outputs the stages produced so far."""
-        return len(self._produced or ()) // 2
+    def stage_outputs(self, stage_id: str, since: int = 0) -> list[StageOutput]:
+        """Stage ``stage_id``'s outputs among those produced after the first ``since`` (an
+        :attr:`n_produced` taken before the stage's first output: the search then covers only
+        what came while the stage ran), in order. Synchronous."""
+        flat = self._produced or []
+        return [
+            out
+            for i in range(2 * since, len(flat), 2)
+            if flat[i] == stage_id and isinstance(out := flat[i + 1], StageOutput)
+        ]
 
     def produced(self) -> list[OmniOutput]:
         """Every stage's outputs so far as OmniOutputs, in the order they came. Synchronous."""
         flat = self._produced or []
-        convert, rid = self.convert, self.lifecycle.request_id
+        convert, rid = self._convert, self.request_id
         out: list[OmniOutput] = []
         for i in range(0, len(flat), 2):
             sid, stage_out = flat[i], flat[i + 1]
@@ -189,30 +236,115 @@ class Request:
             out.append(convert(rid, sid, stage_out))
         return out
 
-    def output(self, item: StageItem) -> OmniOutput:
-        """The OmniOutput a caller gets for a stage's output. Synchronous, pure."""
-        return self.convert(self.lifecycle.request_id, item[0], item[1])
+    # -- its outputs to the consumer -----------------------------------------------------------
+    async def send_output(self, stage_id: str, out: StageOutput) -> None:
+        """Record an output of stage ``stage_id`` and queue it for the consumer (see
+        :meth:`deliver`). With room in the window it does not even yield (no coroutine but
+        its own)."""
+        self.record(stage_id, out)
+        try:
+            self._queue.send_nowait((stage_id, out))
+        except (trio.WouldBlock, trio.BrokenResourceError):
+            await self.deliver(stage_id, out)
 
+    def send_output_nowait(self, stage_id: str, out: StageOutput) -> bool:
+        """:meth:`send_output` if the window has room and no abort or failure is under way,
+        else ``False`` (nothing changed: the awaited one decides). Synchronous."""
+        if self.stopping:
+            return False
+        try:
+            self._queue.send_nowait((stage_id, out))
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        self.record(stage_id, out)
+        return True
+
+    async def deliver(self, stage_id: str, out: StageOutput) -> None:
+        """Queue an output of stage ``stage_id`` (:meth:`record` noted it) for the consumer.
+        Checkpoints only when the window is full or the consumer left (which is an abort).
+
+        A stage's finished output never waits for the window: the lifecycle already counts
+        the stage finished, so it must reach the consumer even if the request is cancelled
+        now (a cancelled wait would leave that stage with no finished output at all). It
+        costs at most one item per output stage past the window.
+        """
+        item = (stage_id, out)
+        queue = self._queue
+        try:
+            try:
+                queue.send_nowait(item)
+            except trio.WouldBlock:
+                if out.finished:
+                    queue.send_final_nowait(item)
+                else:
+                    await queue.send(item)
+        except trio.BrokenResourceError:
+            # the consumer stopped listening: that is an abort
+            self.request_abort()
+            await trio.lowlevel.checkpoint()
+
+    async def next_output(self) -> OmniOutput:
+        """The next output the consumer gets, terminals included. Always checkpoints. Raises
+        ``StopAsyncIteration`` after the last one (the async iterator protocol), or the
+        request's error if it failed."""
+        try:
+            item = await self._queue.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+        if type(item) is tuple:
+            return self._convert(self._lifecycle.request_id, item[0], item[1])
+        if isinstance(item, outcome.Error):
+            item.unwrap()
+        assert isinstance(item, OmniOutput)
+        return item
+
+    def close_receiver(self) -> None:
+        """The consumer stops reading: later outputs are dropped, and a stage delivering one
+        finds the consumer gone, which aborts the request. Synchronous."""
+        self._queue.close_receiver()
+
+    # -- its input from the consumer -------------------------------------------------------------
+    async def send_input(self, segment: StageInput) -> None:
+        """See :meth:`RequestInput.send`. Raises InvalidRequestError for a request opened
+        without ``streaming_input``."""
+        streamed = self._input
+        if streamed is None:
+            await trio.lowlevel.checkpoint()
+            raise InvalidRequestError(
+                f"request {self.request_id!r} was opened without streaming_input=True: "
+                "its input is the prompt"
+            )
+        await streamed.send(segment)
+
+    async def end_input(self) -> None:
+        """See :meth:`RequestInput.end`; a no-op without ``streaming_input``."""
+        streamed = self._input
+        if streamed is None:
+            await trio.lowlevel.checkpoint()
+            return
+        await streamed.end()
+
+    # -- its end ---------------------------------------------------------------------------
     def end(self) -> RequestStatus:
         """The request's task ended: decide its status, queue its terminal outputs (an aborted
         request: one per output stage without its own) or its error (a failed one), end the
         queue, and wake everyone waiting on it. Synchronous; returns the status."""
-        status = self.lifecycle.end()
+        status = self._lifecycle.end()
         if status == "failed":
-            self._error = request_error(self.request_id, self.lifecycle.errors)
-            self.queue.send_final_nowait(outcome.Error(self._error))
+            self._error = request_error(self.request_id, self._lifecycle.errors)
+            self._queue.send_final_nowait(outcome.Error(self._error))
         elif status == "aborted":
-            for sid in self.lifecycle.abort_terminals():
-                self.queue.send_final_nowait(self.output((sid, _ABORTED)))
-        self.queue.close()
-        if self.input is not None:
-            self.input.close()  # a segment sent from now on is refused
+            rid, convert = self.request_id, self._convert
+            for sid in self._lifecycle.abort_terminals():
+                self._queue.send_final_nowait(convert(rid, sid, _ABORTED))
+        self._queue.close()
+        if self._input is not None:
+            self._input.close()  # a segment sent from now on is refused
         self._ended = True
         if self._done is not None:
             self._done.set()
         return status
 
-    # -- waiting -----------------------------------------------------------------------------
     async def wait_ended(self) -> None:
         """Wait until the request ended (every stage dropped it). Always checkpoints."""
         await self._ended_event().wait()
@@ -242,7 +374,7 @@ class Request:
         even while it was being aborted.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        if self.ended:
+        if self._ended:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return []
         self.request_abort()
@@ -271,22 +403,10 @@ class Request:
             partial_outputs=produced,
         ) from error
 
-    def info(self) -> RequestInfo:
-        lc = self.lifecycle
-        return RequestInfo(
-            request_id=self.request_id,
-            status=lc.status,
-            stages=self.plan.active,
-            finished_stages=tuple(s for s in self.plan.active if lc.stage_finished(s)),
-            outputs_produced=self.n_produced,
-            outputs_queued=self.queue.statistics().items,
-            abort_requested=lc.abort_requested,
-        )
-
     def __repr__(self) -> str:
         return (
-            f"<Request {self.request_id!r} {self.lifecycle.status} "
-            f"stages={list(self.plan.active)} outputs={self.n_produced}>"
+            f"<Request {self.request_id!r} {self._lifecycle.status} "
+            f"stages={list(self._plan.active)} outputs={self.n_produced}>"
         )
 
 
@@ -344,35 +464,18 @@ class RequestHandle:
 
     @property
     def status(self) -> RequestStatus:
-        return self._req.lifecycle.status
+        return self._req.status
 
-    async def receive(self) -> OmniOutput:
-        """The next output, terminals included. Always checkpoints. Raises
-        ``trio.EndOfChannel`` after the last one, or the request's error if it failed."""
-        req = self._req
-        item = await req.queue.receive()
-        if type(item) is tuple:
-            return req.output(item)
-        if isinstance(item, outcome.Error):
-            item.unwrap()
-        assert isinstance(item, OmniOutput)
-        return item
+    def next_output(self) -> Coroutine[object, object, OmniOutput]:
+        """The request's :meth:`Request.next_output`: await what this returns (a coroutine,
+        as if this were an ``async def``: no frame of the handle's own per output)."""
+        return self._req.next_output()
 
-    async def next_output(self) -> OmniOutput:
-        """:meth:`receive` for the async iterator protocol: ``StopAsyncIteration`` (not
-        ``trio.EndOfChannel``) after the last output. Always checkpoints."""
-        req = self._req
-        try:
-            item = await req.queue.receive()
-        except trio.EndOfChannel:
-            raise StopAsyncIteration from None
-        if type(item) is tuple:
-            # req.output(item), inlined: once per output
-            return req.convert(req.lifecycle.request_id, item[0], item[1])
-        if isinstance(item, outcome.Error):
-            item.unwrap()
-        assert isinstance(item, OmniOutput)
-        return item
+    def outputs(self) -> AsyncIterator[OmniOutput]:
+        """The request's outputs as an async iterator: each ``__anext__`` is
+        :meth:`Request.next_output` itself (always a checkpoint). It has no finalizer:
+        whoever iterates ends the request (a stream's ``async with``). Synchronous."""
+        return _Outputs(self._req.next_output)
 
     def cancel(self) -> None:
         """Abort the request without waiting. Synchronous; a no-op once it ended."""
@@ -387,24 +490,12 @@ class RequestHandle:
         return await self._req.abort()
 
     async def send_input(self, segment: StageInput) -> None:
-        """See :meth:`RequestInput.send`. Raises InvalidRequestError for a request opened
-        without ``streaming_input``."""
-        streamed = self._req.input
-        if streamed is None:
-            await trio.lowlevel.checkpoint()
-            raise InvalidRequestError(
-                f"request {self.request_id!r} was opened without streaming_input=True: "
-                "its input is the prompt"
-            )
-        await streamed.send(segment)
+        """See :meth:`Request.send_input`."""
+        await self._req.send_input(segment)
 
     async def end_input(self) -> None:
-        """See :meth:`RequestInput.end`; a no-op without ``streaming_input``."""
-        streamed = self._req.input
-        if streamed is None:
-            await trio.lowlevel.checkpoint()
-            return
-        await streamed.end()
+        """See :meth:`Request.end_input`."""
+        await self._req.end_input()
 
     def refers_to(self, request: Request) -> bool:
         """Whether this handle is on ``request`` (not on a later one with the same id).
@@ -412,9 +503,24 @@ class RequestHandle:
         return self._req is request
 
     def close_receiver(self) -> None:
-        """The consumer stops reading: later outputs are dropped, and a stage delivering one
-        finds the consumer gone, which aborts the request. Synchronous."""
-        self._req.queue.close_receiver()
+        """See :meth:`Request.close_receiver`."""
+        self._req.close_receiver()
 
     def __repr__(self) -> str:
         return f"<RequestHandle {self._req!r}>"
+
+
+class _Outputs(AsyncIterator[OmniOutput]):
+    """An async iterator whose ``__anext__`` is the request's ``next_output`` (no frame of
+    its own per output)."""
+
+    __slots__ = ("_next",)
+
+    def __init__(self, next_output: Callable[[], Awaitable[OmniOutput]]) -> None:
+        self._next = next_output
+
+    def __aiter__(self) -> _Outputs:
+        return self
+
+    def __anext__(self) -> Awaitable[OmniOutput]:
+        return self._next()

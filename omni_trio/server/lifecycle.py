@@ -78,10 +78,6 @@ class ServerLifecycle:
         """Every connection is closed: wakes :meth:`wait_stopped`."""
         self._advance(ServerPhase.STOPPED)
 
-    @property
-    def is_cut(self) -> bool:
-        return self._cut.is_set()
-
     async def wait_cut(self) -> None:
         """Return once the grace period is over (at once if it is). Checkpoints."""
         await self._cut.wait()

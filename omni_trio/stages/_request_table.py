@@ -1,11 +1,11 @@
 """A replica's table of running requests: running one, aborting one, and the counts.
 
 :class:`RequestTable` keeps, for one replica, every request running on it (by id, as a
-:class:`~._requests.RunningRequest`), runs a request's backend call inside the request's own
+:class:`~._running.RunningRequest`), runs a request's backend call inside the request's own
 cancel scope, turns how it ended into the typed outcome the caller sees, and counts the
 requests that finished, were aborted or failed. The replica's lifecycle (is it alive, why
-did it die) stays with :class:`~._abc.StageBackend`, which hands the table a narrow
-:class:`~._replica.ReplicaView` of itself.
+did it die) stays with :class:`~.backend.StageBackend`, which hands the table a narrow
+:class:`~.replica.ReplicaView` of itself.
 
 Requests run as ``await backend.run_request(request_id, inputs, sampling_params, emit)``:
 ``inputs`` is a receive channel of :class:`~omni_trio.outputs.StageInput` chunks (one chunk
@@ -13,10 +13,10 @@ unless the stage has ``stream_input``), and the backend calls ``await emit(outpu
 :class:`~omni_trio.outputs.StageOutput` delta, the last one with ``finished=True`` and none
 after it. ``emit`` may block: that is backpressure, and the backend must let it. Cancelling
 the task that runs ``run_request`` aborts the request in the backend before it returns. The
-``emit`` given to ``_run`` is an :class:`~._emit.Emitter`: ``emit.nowait(output)`` delivers
+``emit`` given to ``_run`` is an :class:`~.emit.Emitter`: ``emit.nowait(output)`` delivers
 an output synchronously when nothing would wait and returns whether it did (a backend that
 receives many requests' outputs in one task uses it to skip waking each request's task; see
-:mod:`._emit` for the rules that keep the order and the cancellation).
+:mod:`.emit` for the rules that keep the order and the cancellation).
 
 Interactions (``engine.interact`` / ``stream.interact``) reach the replica running a request
 on its entry stage as ``await backend.interact(request_id, payload)``, which calls the
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..errors import InvalidRequestError, StageAborted, StageError
-from ..outputs import Payload, StageOutput
+from ..outputs import Payload
 from ._running import RunningRequest, request_outcome
 from .emit import Emit, Emitter
 from .replica import ReplicaView
@@ -196,20 +196,13 @@ class RequestTable:
         await trio.lowlevel.cancel_shielded_checkpoint()
         return delivered is not False
 
-    async def abort(self, request_id: str) -> list[StageOutput]:
-        """Abort a running request; returns its outputs so far.
-
-        Always checkpoints; returns once the backend dropped the request. Unknown ids: ``[]``.
-        """
+    async def abort(self, request_id: str) -> None:
+        """Abort a running request; returns once the backend dropped it (its run raises
+        :class:`StageAborted` unless it had finished). Always checkpoints; a no-op for an
+        unknown id."""
         running = self._running.get(request_id)
         if running is None:
             await trio.lowlevel.checkpoint()
-            return []
+            return
         running.cancel()
         await running.wait_ended()
-        return list(running.partial or ())
-
-    def partial_outputs(self, request_id: str) -> list[StageOutput]:
-        """The outputs a running request has emitted so far (``[]`` if it is not running)."""
-        running = self._running.get(request_id)
-        return list(running.partial or ()) if running else []

@@ -5,7 +5,7 @@
 in flight so that a dying or stopping replica fails them at once (a dead replica never
 answers), and turns what the hook raised into a typed error naming the replica. The
 replica's lifecycle stays with the backend, which hands a narrow
-:class:`~._replica.ReplicaView` of itself.
+:class:`~.replica.ReplicaView` of itself.
 """
 
 from __future__ import annotations

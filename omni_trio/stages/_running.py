@@ -1,8 +1,9 @@
 """One request running on one replica: its record, the emit contract, and how it ended.
 
-:class:`RunningRequest` is what a replica keeps per request (its cancel scope, partial
-outputs, whether its finished output was delivered) and enforces the backend contract on
-every emit: nothing after the finished output. :func:`request_outcome` decides, purely, how
+:class:`RunningRequest` is what a replica keeps per request (its cancel scope, whether its
+finished output was delivered) and enforces the backend contract on every emit: nothing
+after the finished output. The outputs themselves are kept once, by the request core that
+receives them (``engine.abort()`` returns them). :func:`request_outcome` decides, purely, how
 the request ended once the backend returned or raised.
 """
 
@@ -55,7 +56,6 @@ class RunningRequest:
         "context",
         "ended",
         "finished",
-        "partial",
         "replica",
         "request_id",
         "scope",
@@ -80,8 +80,6 @@ class RunningRequest:
         #: :meth:`cancel` was called (abort or replica death; a plain flag, where the scope's
         #: ``cancel_called`` reads the clock)
         self.cancelled = False
-        #: what the backend emitted so far (``abort()`` and ``partial_outputs()`` return it)
-        self.partial: list[StageOutput] | None = None  # created by the first output
         #: the finished output was delivered
         self.finished = False
         self.violation: StageError | None = None
@@ -116,12 +114,13 @@ class RunningRequest:
         await self._done.wait()
 
     def emitter(self, emit: Emit) -> Emitter:
-        """The ``emit`` the backend gets: records each output, then passes it on; an output
-        after the finished one is not passed on but raises (and is kept as ``violation``, so
-        a backend that swallows the error still fails the request). Its ``nowait`` records
-        an output only once ``emit``'s own fast path delivered it, and refuses (``False``,
-        nothing recorded) after the finished output, once the request's scope was cancelled,
-        or when ``emit`` has no fast path. Once per request: it wraps the one ``emit``."""
+        """The ``emit`` the backend gets: passes each output on and notes when the finished
+        one was delivered; an output after the finished one is not passed on but raises (and
+        is kept as ``violation``, so a backend that swallows the error still fails the
+        request). Its ``nowait`` passes an output to ``emit``'s own fast path, and refuses
+        (``False``, nothing delivered) after the finished output, once the request's scope
+        was cancelled, or when ``emit`` has no fast path. Once per request: it wraps the one
+        ``emit``."""
         self._emit = emit
         self._downstream = nowait_of(emit)
         if self._downstream is None:
@@ -138,10 +137,6 @@ class RunningRequest:
                 request_id=self.request_id,
             )
             raise self.violation
-        if self.partial is None:
-            self.partial = [out]
-        else:
-            self.partial.append(out)
         assert self._emit is not None
         await self._emit(out)
         # only once delivered: an emit cancelled midway did not deliver it
@@ -153,9 +148,5 @@ class RunningRequest:
         downstream = self._downstream
         if self.finished or self.cancelled or downstream is None or not downstream(out):
             return False
-        if self.partial is None:
-            self.partial = [out]
-        else:
-            self.partial.append(out)
         self.finished = out.finished
         return True

@@ -11,8 +11,9 @@ Requests, aborts and interactions run through :mod:`._request_table` (the contra
 Subclasses implement ``_start``, ``_run`` and optionally ``_serve_forever``, ``_stop``,
 ``_rpc``, ``_interact``; this base class gives every backend the same bookkeeping: the replica's
 :attr:`~StageBackend.state` (starting -> ready -> dead | stopped), per-request cancel scopes
-(for ``abort``), partial outputs, replica death (``_die``) failing exactly the requests and
-RPCs bound to this replica, a stop bounded by ``shutdown_timeout``, and ``statistics()``.
+(for ``abort``), the backend contract (nothing after a request's finished output), replica
+death (``_die``) failing exactly the requests and RPCs bound to this replica, a stop bounded
+by ``shutdown_timeout``, and ``statistics()``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..errors import InvalidRequestError, ReplicaDeadError, StageRPCError, StageStopError
-from ..outputs import Payload, ReplicaState, ReplicaStatistics, SamplingParams, StageOutput
+from ..outputs import Payload, ReplicaState, ReplicaStatistics, SamplingParams
 from ._request_table import RequestTable
 from ._rpc_calls import RpcCalls
 from .emit import Emit
@@ -329,16 +330,14 @@ class StageBackend(abc.ABC):
         running = self._requests.get(request_id)
         return running is None or running.streamed
 
-    async def abort(self, request_id: str) -> list[StageOutput]:
-        """Abort a request on this replica; returns its outputs so far.
+    async def abort(self, request_id: str) -> None:
+        """Abort a request on this replica: cancel its run here and return once the backend
+        dropped it (its ``run_request`` raises :class:`StageAborted`, unless its finished
+        output was delivered first). The outputs it emitted went to its ``emit``: whoever
+        gave that keeps them (``engine.abort()`` returns a request's outputs so far).
 
-        Always checkpoints; returns once the backend dropped the request. Unknown ids: ``[]``.
-        """
-        return await self._requests.abort(request_id)
-
-    def partial_outputs(self, request_id: str) -> list[StageOutput]:
-        """The outputs a running request has emitted so far (``[]`` if it is not running)."""
-        return self._requests.partial_outputs(request_id)
+        Always checkpoints; a no-op for an unknown id."""
+        await self._requests.abort(request_id)
 
     async def collective_rpc(
         self,

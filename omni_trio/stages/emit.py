@@ -18,8 +18,8 @@ to deliver, and only while it is not being cancelled (the vllm backend's
 
 Layers pass it down: the orchestrator gives ``run_request`` an ``Emitter`` whose ``nowait``
 puts the output into the consumer's queue when its window has room, and the replica's
-:class:`~._requests.RunningRequest` wraps it in the one ``_run`` gets (recording the output,
-enforcing "nothing after the finished output"). An ``emit`` that is a plain async function
+:class:`~._running.RunningRequest` wraps it in the one ``_run`` gets (enforcing "nothing
+after the finished output"). An ``emit`` that is a plain async function
 has no fast path: :func:`nowait_of` gives ``None`` for it and the wrapper's ``nowait``
 always returns ``False``.
 """

@@ -1,8 +1,8 @@
 """Replica pools: one per stage, owning that stage's replicas for the whole session.
 
-:class:`StagePool` starts, supervises, adds, removes and stops the replicas of one stage, and
-runs requests and RPCs on them. It starts its replicas in parallel in its own nursery (one
-failing to start cancels the others' starts at once). Each replica index runs as one
+:class:`StagePool` starts, supervises, adds, removes and stops the replicas of one stage,
+binds requests to them and runs RPCs on them. It starts its replicas in parallel in its own
+nursery (one failing to start cancels the others' starts at once). Each replica index runs as one
 supervising task in that nursery (``nursery.start``): it serves the index's backend and, with
 ``restart: on-failure``, replaces a dead one (same index, exponential backoff, at most
 ``max_restarts`` times). Replicas join (:meth:`StagePool.add_replica`) and leave
@@ -35,7 +35,6 @@ from collections.abc import Mapping, Sequence
 import trio
 
 from ..config.stage import LbPolicy, StageConfig
-from ..context import RequestContext
 from ..errors import (
     EngineClosedError,
     InvalidRequestError,
@@ -45,14 +44,12 @@ from ..errors import (
     StageStopError,
 )
 from ..failures import describe_failures, group_causes
-from ..outputs import Payload, SamplingParams, StageOutput, StageStatistics
+from ..outputs import Payload, StageStatistics
 from .backend import StageBackend
 from .balancing import Balancer
 from .binding import ReplicaBinder
-from .emit import Emit
 from .factory import BackendFactory, create_backend
 from .fanout import call_replicas
-from .input_stream import InputStream
 from .replica import DEFAULT_SHUTDOWN_TIMEOUT, is_cancellation
 from .replicas import ReplicaSlot, RestartRule
 
@@ -430,7 +427,8 @@ class StagePool:
 
     async def wait_settled(self) -> None:
         """Wait until no replica is starting or restarting (each is ready, draining or dead
-        for good); event-driven. Always checkpoints."""
+        for good); event-driven (see :func:`omni_trio.testing.wait_until_settled`). Always
+        checkpoints."""
         await trio.lowlevel.checkpoint()
         while any(slot.pending for slot in self._slots):
             await self._change.wait()
@@ -468,30 +466,6 @@ class StagePool:
         Always checkpoints; see :meth:`ReplicaBinder.bind`."""
         return await self._binder.bind(request_id)
 
-    async def run_request(
-        self,
-        request_id: str,
-        inputs: InputStream,
-        sampling_params: SamplingParams,
-        emit: Emit,
-        *,
-        streamed: bool = True,
-        context: RequestContext | None = None,
-    ) -> None:
-        """Run a request on a replica; the binding is gone when this returns.
-        ``streamed``: see :meth:`StageBackend.run_request`.
-
-        Checkpoints. Cancellation aborts it in the replica first. Raises what the replica
-        raises (StageError, ReplicaDeadError) or NoLiveReplicaError.
-        """
-        backend = await self._binder.bind(request_id)
-        try:
-            await backend.run_request(
-                request_id, inputs, sampling_params, emit, streamed=streamed, context=context
-            )
-        finally:
-            self._binder.release(request_id)
-
     def release(self, request_id: str) -> None:
         """Forget a request's binding (its run on the replica ended). Synchronous; a no-op
         for a request that is not bound."""
@@ -500,15 +474,6 @@ class StagePool:
     def replica_of(self, request_id: str) -> StageBackend | None:
         """The replica a request is bound to, or ``None``. Synchronous."""
         return self._binder.replica_of(request_id)
-
-    async def abort(self, request_id: str) -> list[StageOutput]:
-        """Abort a request in its replica; returns its outputs so far (``[]`` if unknown).
-        Always checkpoints."""
-        backend = self._binder.replica_of(request_id)
-        if backend is None:
-            await trio.lowlevel.checkpoint()
-            return []
-        return await backend.abort(request_id)
 
     async def collective_rpc(
         self,

@@ -23,7 +23,12 @@ from ..config.loading import load_config
 from ..config.pipeline import PipelineConfig
 from ..engine.engine import Engine
 from ..stages.scripted import ScriptedBackend, scripted_tokens
-from ._checks import assert_nothing_in_flight, in_flight_problems, wait_until_idle
+from ._checks import (
+    assert_nothing_in_flight,
+    in_flight_problems,
+    wait_until_idle,
+    wait_until_settled,
+)
 from .cancellation import CancellationFailure, CancellationReport, cancel_at_every_checkpoint
 
 __all__ = [
@@ -36,6 +41,7 @@ __all__ = [
     "scripted_pipeline",
     "scripted_tokens",
     "wait_until_idle",
+    "wait_until_settled",
 ]
 
 

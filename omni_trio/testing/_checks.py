@@ -1,10 +1,18 @@
-"""Checks that nothing of any request is left behind, and waiting until that is so."""
+"""Checks that nothing of any request is left behind, and waiting until that is so, or until
+every replica is up again."""
 
 from __future__ import annotations
 
+import trio
+
 from ..engine.engine import Engine
 
-__all__ = ["assert_nothing_in_flight", "in_flight_problems", "wait_until_idle"]
+__all__ = [
+    "assert_nothing_in_flight",
+    "in_flight_problems",
+    "wait_until_idle",
+    "wait_until_settled",
+]
 
 
 def in_flight_problems(engine: Engine) -> list[str]:
@@ -38,3 +46,13 @@ async def wait_until_idle(engine: Engine) -> None:
     """Wait until no request is in flight anywhere (event-driven: it waits on each remaining
     request's end, no polling). Always checkpoints; bound it with ``trio.fail_after``."""
     await engine.orchestrator.wait_idle()
+
+
+async def wait_until_settled(engine: Engine) -> None:
+    """Wait until no replica of any stage is starting or restarting: each is ready, being
+    removed, or dead for good (after a crash with ``restart: on-failure``, until its
+    replacement is up). Event-driven: it waits on each pool's replica changes, no polling.
+    Always checkpoints; bound it with ``trio.fail_after``."""
+    await trio.lowlevel.checkpoint()
+    for pool in engine.pools.values():
+        await pool.wait_settled()

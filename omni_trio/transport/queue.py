@@ -73,12 +73,6 @@ class OutputQueue(Generic[T]):
     def __len__(self) -> int:
         return len(self._items) - self._head
 
-    def _append(self, item: T) -> None:
-        self._items.append(item)
-        self._wake_receiver()
-        if self._full and len(self._items) - self._head >= self._window:
-            self._full.unpark()
-
     def _popleft(self) -> T:
         items = self._items
         item = items[self._head]
@@ -129,7 +123,7 @@ class OutputQueue(Generic[T]):
                 self._space = trio.lowlevel.ParkingLot()
             await self._space.park()
             waited = True
-        self._append(item)
+        self.send_nowait(item)  # there is room: it queues the item
         if not waited:
             await trio.lowlevel.cancel_shielded_checkpoint()
 
@@ -143,12 +137,8 @@ class OutputQueue(Generic[T]):
         items = self._items
         if len(items) - self._head >= self._window:
             raise trio.WouldBlock
-        # _append, inlined: this is the path of nearly every output
         items.append(item)
-        task = self._receiver
-        if task is not None:
-            self._receiver = None
-            trio.lowlevel.reschedule(task)
+        self._wake_receiver()
         if self._full and len(items) - self._head >= self._window:
             self._full.unpark()
 

@@ -22,6 +22,7 @@ from omni_trio import (
     StageStopError,
     load_config,
 )
+from omni_trio.observer import EngineObserver
 from omni_trio.testing import assert_nothing_in_flight, scripted_backends, scripted_pipeline
 
 USER_BACKENDS = """
@@ -311,29 +312,48 @@ async def test_input_processor_rejecting_the_request_reaches_the_consumer_typed(
         assert_nothing_in_flight(engine)
 
 
-async def test_backend_emitting_after_finished_breaks_the_contract(autojump_clock, user_module):
-    mod = user_module(
-        """
-        from omni_trio import StageBackend, StageOutput
+CHATTY = """
+from omni_trio import StageBackend, StageOutput
 
-        class Chatty(StageBackend):
-            async def _start(self):
-                pass
+class Chatty(StageBackend):
+    async def _start(self):
+        pass
 
-            async def _run(self, request_id, inputs, sampling_params, emit):
-                await emit(StageOutput(text="done", finished=True, finish_reason="stop"))
-                await emit(StageOutput(text="one more"))
-        """
-    )
-    async with omni_trio.open_engine(one_stage(f"{mod}:Chatty")) as engine:
+    async def _run(self, request_id, inputs, sampling_params, emit):
+        await emit(StageOutput(text="done", token_ids=(1,), finished=True, finish_reason="stop"))
+        await emit(StageOutput(text="one more", token_ids=(2,)))
+"""
+
+
+@pytest.mark.parametrize("path", ["pulled", "routed", "collected", "observed"])
+async def test_backend_emitting_after_finished_breaks_the_contract(
+    autojump_clock, user_module, path
+):
+    # Checked once, by the replica, whichever way the stage's outputs go: straight to the
+    # consumer (pulled), through a routing task (an output stage feeding another, or any
+    # stage while observers watch), or kept until the backend returned (collected).
+    chatty = f"{user_module(CHATTY)}:Chatty"
+    if path == "pulled":
+        cfg = one_stage(chatty)
+    else:
+        stages = [
+            {"id": "a", "backend": chatty, "final_output": path != "collected"},
+            {"id": "b", "inputs": ["a"], "final_output": True},
+        ]
+        cfg = load_config({"stages": stages})
+    async with omni_trio.open_engine(cfg) as engine:
+        if path == "observed":
+            engine.add_observer(EngineObserver())
         seen = []
-        with pytest.raises(StageError, match=r"a\[0\].*after its finished output"):
+        with pytest.raises(StageError, match=r"a\[0\].*after its finished output") as info:
             async with engine.generate("x") as stream:
                 async for out in stream:
-                    seen.append(out.text)
+                    seen.append((out.stage_id, out.text))
+        assert info.value.stage_id == "a"
         # the finished output may reach the consumer before the error; nothing after it does
-        assert seen in ([], ["done"])
-        assert engine.statistics().requests_failed == 1
+        assert seen in ([], [("a", "done")])
+        stats = engine.statistics()
+        assert stats.requests_failed == 1 and stats.stage("a").replicas[0].requests_failed == 1
         assert_nothing_in_flight(engine)
 
 

@@ -1,6 +1,7 @@
-"""A routed stage's routing task (_stage_route.py) on its own: what it delivers, in which
+"""A routed stage's routing task (request/route.py) on its own: what it delivers, in which
 order, what a stage's normal or abnormal end hands on, and what fails the request."""
 
+import pytest
 import trio
 import trio.testing
 
@@ -8,28 +9,18 @@ from omni_trio.errors import StageError
 from omni_trio.observer import ObserverSet
 from omni_trio.outputs import StageInput, StageOutput
 from omni_trio.request.feeds import StageFeed
-from omni_trio.request.lifecycle import ContractViolation
 from omni_trio.request.route import COMPLETED, STOPPED, finish_feeds, route_stage
 from omni_trio.request.state import Request
-from omni_trio.stages.processors import token_handoff
+from omni_trio.stages.processors import InputProcessor, token_handoff
 from omni_trio.transport.queue import OutputQueue
 
-from .test_emits import out, queued
-from .test_emits import record as record_kept
+from .test_emits import out, queued, take
 from .test_emits import request as emits_request
 
 
 def request() -> Request:
     # stage "s", an output stage, with room in the consumer's window for every test here
     return emits_request(window=4)
-
-
-def record(req: Request, sid: str, o: StageOutput) -> tuple[str, StageOutput]:
-    # the runner's record: a contract violation becomes a StageError
-    try:
-        return record_kept(req, sid, o)
-    except ContractViolation as exc:
-        raise StageError(str(exc), stage_id=sid, request_id=req.request_id) from None
 
 
 class Events:
@@ -60,14 +51,17 @@ def feed_to(
     stage: str = "t",
     upstream: tuple[str, ...] = ("s",),
     send: trio.MemorySendChannel[StageInput] | None = None,
+    *,
+    stream: bool = False,
+    processor: InputProcessor = token_handoff,
 ) -> StageFeed:
-    # a stage taking its upstream's whole input: without a channel (deferred), it starts
-    # only once that input is complete
+    # by default a stage taking its upstream's whole input: without a channel (deferred),
+    # it starts only once that input is complete
     return StageFeed(
         stage,
         upstream,
-        stream=False,
-        processor=token_handoff,
+        stream=stream,
+        processor=processor,
         options={},
         send=send,
         request_id=req.request_id,
@@ -75,7 +69,9 @@ def feed_to(
     )
 
 
-async def test_outputs_go_out_in_order_and_a_normal_end_without_a_finished_one_stops():
+async def test_outputs_go_out_in_order_and_a_normal_end_without_a_finished_one_stops(
+    autojump_clock,
+):
     req = request()
     observers, events = observed()
     outbox: OutputQueue[StageOutput] = OutputQueue(4)
@@ -83,10 +79,10 @@ async def test_outputs_go_out_in_order_and_a_normal_end_without_a_finished_one_s
         outbox.send_nowait(out(tok))
     outbox.send_final_nowait(COMPLETED)
     outbox.close()
-    ready = await route_stage(req, "s", outbox, (), True, observers, record)
+    ready = await route_stage(req, "s", outbox, (), True, observers)
     assert list(ready) == []
-    assert queued(req) == [("s", out(1)), ("s", out(2)), ("s", STOPPED)]
-    assert req.lifecycle.stage_finished("s") and not req.lifecycle.failed
+    assert await queued(req) == [("s", out(1)), ("s", out(2)), ("s", STOPPED)]
+    assert req.stage_finished("s") and not req.failed
     assert events.seen == [
         ("started", "s"),
         ("output", "s", True),
@@ -96,7 +92,7 @@ async def test_outputs_go_out_in_order_and_a_normal_end_without_a_finished_one_s
     ]
 
 
-async def test_an_outbox_ended_without_completed_is_no_normal_end():
+async def test_an_outbox_ended_without_completed_is_no_normal_end(autojump_clock):
     # the backend failed or was aborted: no STOPPED output, nothing made ready
     req = request()
     observers, events = observed()
@@ -104,14 +100,16 @@ async def test_an_outbox_ended_without_completed_is_no_normal_end():
     outbox: OutputQueue[StageOutput] = OutputQueue(4)
     outbox.send_nowait(out(1))
     outbox.close()
-    ready = await route_stage(req, "s", outbox, (feed,), True, observers, record)
+    ready = await route_stage(req, "s", outbox, (feed,), True, observers)
     assert list(ready) == []
-    assert queued(req) == [("s", out(1))]
-    assert not req.lifecycle.stage_finished("s")
+    assert await queued(req) == [("s", out(1))]
+    assert not req.stage_finished("s")
     assert events.seen[-1] == ("finished", "s", "aborted")
 
 
-async def test_a_normal_end_makes_a_deferred_downstream_stage_ready_with_its_whole_input():
+async def test_a_normal_end_makes_a_deferred_downstream_stage_ready_with_its_whole_input(
+    autojump_clock,
+):
     req = request()
     observers = ObserverSet()
     feed = feed_to(req, observers)
@@ -120,44 +118,56 @@ async def test_a_normal_end_makes_a_deferred_downstream_stage_ready_with_its_who
     outbox.send_nowait(out(6, finished=True))
     outbox.send_final_nowait(COMPLETED)
     outbox.close()
-    ready = await route_stage(req, "s", outbox, (feed,), True, observers, record)
+    ready = await route_stage(req, "s", outbox, (feed,), True, observers)
     ((made_ready, chunk),) = ready
     assert made_ready is feed
     assert chunk is not None and chunk.token_ids == (5, 6) and chunk.final
 
 
-async def test_an_output_after_the_finished_one_fails_the_request_without_raising():
+def broken(upstream, *, final, options, context=None):
+    raise RuntimeError("no input for you")
+
+
+async def test_a_failing_input_processor_fails_the_request_without_raising(autojump_clock):
     req = request()
     observers, events = observed()
+    send, _receive = trio.open_memory_channel[StageInput](4)
+    streaming = feed_to(req, observers, send=send, stream=True, processor=broken)
     outbox: OutputQueue[StageOutput] = OutputQueue(4)
-    outbox.send_nowait(out(1, finished=True))
-    outbox.send_nowait(out(2))
+    outbox.send_nowait(out(1))
+    outbox.send_nowait(out(2, finished=True))
     outbox.send_final_nowait(COMPLETED)
     outbox.close()
-    ready = await route_stage(req, "s", outbox, (), True, observers, record)
+    ready = await route_stage(req, "s", outbox, (streaming,), True, observers)
     assert list(ready) == []
-    assert req.lifecycle.failed
-    (error,) = req.lifecycle.errors
-    assert isinstance(error, StageError) and error.stage_id == "s"
-    assert queued(req) == [("s", out(1, finished=True))]
+    assert req.failed
     assert events.seen[-1] == ("finished", "s", "failed")
+    assert req.end() == "failed"
+    # the caller gets the output routed before, then the downstream stage's failure,
+    # caused by its processor
+    assert await take(req, 1) == [("s", out(1))]
+    with pytest.raises(StageError) as info:
+        await req.next_output()
+    assert info.value.stage_id == "t" and isinstance(info.value.__cause__, RuntimeError)
 
 
-async def test_unstreamed_outputs_after_the_first_are_routed_when_the_outbox_is_full():
+async def test_unstreamed_outputs_after_the_first_are_routed_when_the_outbox_is_full(
+    autojump_clock,
+):
     req = request()
     outbox: OutputQueue[StageOutput] = OutputQueue(2)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(route_stage, req, "s", outbox, (), False, ObserverSet(), record)
+        nursery.start_soon(route_stage, req, "s", outbox, (), False, ObserverSet())
         await trio.testing.wait_all_tasks_blocked()
         outbox.send_nowait(out(1))
         await trio.testing.wait_all_tasks_blocked()
-        assert queued(req) == [("s", out(1))]  # the first one at once (its time is a metric)
+        assert await queued(req) == [("s", out(1))]  # the first one at once (its time is a metric)
         outbox.send_nowait(out(2))
         await trio.testing.wait_all_tasks_blocked()
-        assert queued(req) == []  # batched: the routing task still waits
+        assert await queued(req) == []  # batched: the routing task still waits
         outbox.send_nowait(out(3))  # the outbox is full: both go
         await trio.testing.wait_all_tasks_blocked()
-        assert queued(req) == [("s", out(2)), ("s", out(3))]
+        assert await queued(req) == [("s", out(2)), ("s", out(3))]
         outbox.close()
 
 

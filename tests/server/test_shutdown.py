@@ -326,7 +326,7 @@ def test_lifecycle_only_moves_forward():
     life = ServerLifecycle(starting=True)
     life.mark_cut()
     life.mark_serving()
-    assert life.phase is ServerPhase.CUT and life.is_cut
+    assert life.phase is ServerPhase.CUT
     assert ServerLifecycle().phase is ServerPhase.SERVING
 
 

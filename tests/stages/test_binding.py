@@ -305,9 +305,12 @@ async def test_a_slow_consumer_slows_only_itself(autojump_clock):
             # engines: a request's time is its own latency), while "slow" is held back
             assert len(took) == 8
             assert all(t == pytest.approx(alone["alone"]) for t in took.values())
-            info = engine.orchestrator.request_info("slow")
-            assert info is not None and info.status == "running"
-            assert info.outputs_queued <= 2  # bounded by its window, not running ahead
-            rest = [out async for out in slow]
-        assert rest[-1].finished and len(rest) + 1 == 20
+            assert slow.status == "running"
+            # bounded by its window, not running ahead: what it reads before the clock moves
+            # (a stage makes each further output 0.1 s later) is its window of 2 and the one
+            # output its stage waits to deliver
+            t0 = trio.current_time()
+            rest = [(out, trio.current_time() == t0) async for out in slow]
+            assert [at_once for _, at_once in rest[:4]] == [True, True, True, False]
+        assert rest[-1][0].finished and len(rest) + 1 == 20
         assert_nothing_in_flight(engine)

@@ -50,14 +50,8 @@ async def test_pool_starts_replicas_in_parallel_and_binds(autojump_clock):
         assert pool.live_replicas == 3
 
         async def run(rid):
-            send, receive = trio.open_memory_channel(1)
-            send.send_nowait(StageInput(token_ids=(1,)))
-
-            async def emit(out):
-                pass
-
             with pytest.raises(StageAborted):
-                await pool.run_request(rid, receive, None, emit)
+                await run_on(pool, rid)
             aborted.append(rid)
 
         aborted = []
@@ -67,13 +61,12 @@ async def test_pool_starts_replicas_in_parallel_and_binds(autojump_clock):
         assert [r.requests_in_flight for r in pool.replicas] == [2, 1, 1]
         assert pool.requests_in_flight == 4
         assert pool.replica_of("r3") is pool.replicas[0]
-        partial = await pool.abort("r0")
-        assert partial == []
+        await pool.replica_of("r0").abort("r0")
         await trio.lowlevel.checkpoint()
         assert aborted == ["r0"]
         assert pool.requests_in_flight == 3
         for rid in ("r1", "r2", "r3"):
-            await pool.abort(rid)
+            await pool.replica_of(rid).abort(rid)
         assert pool.requests_in_flight == 0
         nursery.cancel_scope.cancel()
     assert pool.requests_in_flight == 0
@@ -115,16 +108,26 @@ async def ignore(out):
     pass
 
 
+async def run_on(pool, rid, emit=ignore):
+    """Run one request on the pool as the request core does: bound to a replica (waiting for
+    one), run there, its binding released however it ends."""
+    backend = await pool.bind(rid)
+    try:
+        await backend.run_request(rid, one_input(), None, emit)
+    finally:
+        pool.release(rid)
+
+
 async def test_replica_death_fails_only_its_requests(autojump_clock):
     c = cfg(replicas=2, options={"crash_at_request": 1, "crash_replica": 0, "latency_s": 1.0})
     pool = StagePool(c.stages[0], stage_index=0)
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.serve)
         with pytest.raises(ReplicaDeadError, match=r"a\[0\] is dead") as info:
-            await pool.run_request("r0", one_input(), None, ignore)
+            await run_on(pool, "r0")
         assert info.value.replica == 0
         assert [r.state for r in pool.replicas] == ["dead", "ready"]
-        await pool.run_request("r1", one_input(), None, ignore)  # served by the live replica
+        await run_on(pool, "r1")  # served by the live replica
         assert pool.replica_of("r1") is None and pool.requests_in_flight == 0
         stats = pool.statistics()
         assert stats.live_replicas == 1
@@ -165,7 +168,7 @@ async def test_collective_rpc_on_a_dead_replica_fails_naming_it(autojump_clock):
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.serve)
         with pytest.raises(ReplicaDeadError):
-            await pool.run_request("r", one_input(), None, ignore)
+            await run_on(pool, "r")
         with pytest.raises(StageRPCError, match=r"a\[0\]: ReplicaDeadError") as info:
             await pool.collective_rpc("echo")
         assert isinstance(info.value.__cause__, ReplicaDeadError)
@@ -193,9 +196,3 @@ async def test_init_phases_per_replica(autojump_clock):
         nursery.cancel_scope.cancel()
     assert len(phases) == 2
     assert all(p["start"] == 0.0 and p["ready"] >= 0.0 for p in phases)
-
-
-async def test_abort_unknown_request_checkpoints(autojump_clock):
-    pool = StagePool(cfg().stages[0], stage_index=0)
-    with trio.testing.assert_checkpoints():
-        assert await pool.abort("nobody") == []

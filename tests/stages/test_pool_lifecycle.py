@@ -10,7 +10,7 @@ from omni_trio import ReplicaDeadError, StageStartError, StageStopError
 from omni_trio.stages.pool import StagePool
 from omni_trio.stages.scripted import ScriptedBackend
 
-from .test_pool import cfg, ignore, one_input, with_replicas
+from .test_pool import cfg, run_on, with_replicas
 
 
 async def test_pool_start_failure_stops_started_replicas(autojump_clock):
@@ -60,9 +60,9 @@ async def test_pool_lives_until_shutdown_when_every_replica_died(autojump_clock)
         async with trio.open_nursery() as nursery:
             await nursery.start(pool.serve)
             with pytest.raises(ReplicaDeadError):
-                await pool.run_request("r", one_input(), None, ignore)
+                await run_on(pool, "r")
             with pytest.raises(ReplicaDeadError, match="no live replica"):
-                await pool.run_request("r2", one_input(), None, ignore)
+                await run_on(pool, "r2")
     assert scope.cancelled_caught  # serve() did not return when its last replica died
 
 

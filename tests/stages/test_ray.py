@@ -28,7 +28,7 @@ from omni_trio.stages import _ray_link as ray_link
 from omni_trio.stages import ray as ray_stage
 from omni_trio.stages._ray_link import RayLink, cluster_endpoint
 from omni_trio.stages.ray import RayBackend, placement_problem
-from omni_trio.testing import cancel_at_every_checkpoint
+from omni_trio.testing import cancel_at_every_checkpoint, wait_until_settled
 
 from ..conftest import bounded, engine_seconds, kill_tree
 
@@ -179,7 +179,7 @@ async def test_a_killed_actor_fails_only_its_requests_and_is_restarted():
         assert failed == victims
         assert all(isinstance(results[r], ReplicaDeadError) for r in failed)
         with bounded("the killed actor's restart", 60, engine):
-            await pool.wait_settled()
+            await wait_until_settled(engine)
         stats = pool.statistics().replicas
         assert [r.state for r in stats] == ["ready", "ready"] and stats[0].restarts == 1
         # the remote replicas in the health report and the Prometheus metrics, as local ones
@@ -217,7 +217,7 @@ async def test_a_hung_actor_is_caught_by_the_health_call_and_replaced(monkeypatc
         try:
             assert caught.value.stage_id == "b"
             with bounded("the hung actor's replacement", 60, engine):
-                await pool.wait_settled()
+                await wait_until_settled(engine)
             (replica,) = pool.statistics().replicas
             assert replica.state == "ready" and replica.restarts == 1
             assert await pool.replica(0).actor_pid() != pid
@@ -571,7 +571,7 @@ async def test_an_actor_killed_during_an_interaction_fails_it_with_a_stage_error
         assert f"replica {replica.name}" in str(error) and "interaction" in str(error)
         assert error.__cause__ is not None
         with bounded("the killed actor's restart", 60, engine):
-            await pool.wait_settled()
+            await wait_until_settled(engine)
         assert pool.statistics().replicas[0].restarts == 1
         assert engine.statistics().requests_in_flight == 0
         (later,) = await run_all(engine, ["x"])

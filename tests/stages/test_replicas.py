@@ -22,6 +22,7 @@ from omni_trio.testing import (
     assert_nothing_in_flight,
     cancel_at_every_checkpoint,
     scripted_backends,
+    wait_until_settled,
 )
 
 from .test_binding import pipeline, run, stage
@@ -330,17 +331,17 @@ async def test_cancel_at_every_checkpoint_of_adding_and_removing_a_replica(autoj
         assert_nothing_in_flight(engine)
 
 
-async def test_wait_settled_returns_when_the_replacement_is_ready(autojump_clock):
+async def test_wait_until_settled_returns_when_the_replacement_is_ready(autojump_clock):
     cfg = pipeline(
         stage("a", 2, restart="on-failure", restart_backoff_s=2.0, options={"start_delay_s": 3.0})
     )
     async with open_engine(cfg) as engine:
         pool = engine.pools["a"]
         with trio.testing.assert_checkpoints():
-            await pool.wait_settled()  # nothing pending: returns at once
+            await wait_until_settled(engine)  # nothing pending: returns at once
         t0 = trio.current_time()
         pool.replica(1).kill(RuntimeError("injected"))
-        await pool.wait_settled()
+        await wait_until_settled(engine)
         assert trio.current_time() - t0 == pytest.approx(5.0)
         assert [r.state for r in pool.statistics().replicas] == ["ready", "ready"]
         assert engine.check_health().status == "ok"

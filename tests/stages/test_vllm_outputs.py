@@ -36,9 +36,12 @@ class Request:
         self.inbox = RequestInbox(self.flow, self._resume, self.emit.nowait)
         self.result: list[object] = []
         self.fast_calls = 0
+        #: what reached the consumer's window, in order (either way)
+        self.delivered: list[StageOutput] = []
 
     async def _emit(self, o: StageOutput) -> None:
         await self.queue.send(o)
+        self.delivered.append(o)
 
     def _nowait(self, o: StageOutput) -> bool:
         self.fast_calls += 1
@@ -46,6 +49,7 @@ class Request:
             self.queue.send_nowait(o)
         except trio.WouldBlock:
             return False
+        self.delivered.append(o)
         return True
 
     def _resume(self) -> None:
@@ -72,7 +76,7 @@ async def test_outputs_go_straight_to_the_consumer_while_the_task_waits():
         r.put(out(0), out(1), out(2))
         # delivered synchronously, by put itself: the request's task never woke for them
         assert len(r.queue) == 3 and len(r.inbox) == 0 and "waiting" in repr(r.inbox)
-        assert r.running.partial == [out(0), out(1), out(2)]
+        assert r.delivered == [out(0), out(1), out(2)]
         # the finished output goes to the task, which delivers it and ends
         r.put(out(3, finished=True))
         assert len(r.queue) == 3 and len(r.inbox) == 1
@@ -106,7 +110,7 @@ async def test_a_full_window_sends_outputs_through_the_task_in_order():
         await trio.testing.wait_all_tasks_blocked()
         r.put(out(4, finished=True))
     assert await r.take(1) == [out(4, finished=True)]
-    assert r.running.partial == [out(i) for i in range(4)] + [out(4, finished=True)]
+    assert r.delivered == [out(i) for i in range(4)] + [out(4, finished=True)]
 
 
 async def test_fast_path_counts_credit_and_resumes_a_stalled_request():
@@ -154,7 +158,7 @@ async def test_abort_mid_stream_stops_the_fast_path_and_drains_to_end():
         while (item := await r.inbox.receive()) is not END:
             drained.append(item)
     assert drained == [out(2), out(3)] and r.fast_calls == 2
-    assert r.running.partial == [out(0), out(1)] and await r.take(2) == [out(0), out(1)]
+    assert r.delivered == [out(0), out(1)] and await r.take(2) == [out(0), out(1)]
 
 
 async def test_failures_end_and_close_reach_the_task():
