@@ -136,8 +136,8 @@ class FakeRequest:
         the request running (pending tokens stay) and turns its fast path off.
 
         Raises :class:`trio.EndOfChannel` once the finished tokens were received, and
-        :class:`trio.ClosedResourceError` if the request was cancelled (also in a task
-        waiting here when :meth:`cancel` is called).
+        :class:`trio.ClosedResourceError` once the request was cancelled and nothing is
+        pending (also in a task waiting here when :meth:`cancel` is called).
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         waited = False
