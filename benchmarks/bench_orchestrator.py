@@ -9,7 +9,7 @@
    the orchestrator spends between two steps delays the next step: the ratio is what the
    orchestrator's CPU per step costs the engines; beside it each side's trio-thread CPU per
    engine step (``cpu_us_per_step``), which the ratio follows (the loop's timeouts are
-   whole milliseconds: see ``_orchestrator_fake.py``). Also the per-hop latency under that
+   whole milliseconds: see ``omni_trio.testing.exact_clock``). Also the per-hop latency under that
    load. The same cells again under ``ExactStepClock`` (``fake_engine_exact_steps``): a
    step takes its 2 ms whatever the loop does meanwhile, so the ratio is what the
    orchestrator costs engines whose steps the loop's timer does not stretch (wall time only).
@@ -37,7 +37,9 @@
 
 ``targets`` judges issue 9's model-free targets on these figures.
 
-Its parts: ``_orchestrator_fake.py`` (1), ``_orchestrator_scripted.py`` (2, 3).
+Its parts: ``harness/fake_engine_cells.py`` (1), ``harness/scripted_cells.py`` (2, 3),
+``harness/replica_cells.py`` (6); the fake engine and the clock are
+``omni_trio.testing.FakeEngine`` and ``omni_trio.testing.ExactStepClock``.
 
     python benchmarks/bench_orchestrator.py [--passes 3] [--fake-requests 64] [--quick] [--replicas]
 """
@@ -56,11 +58,13 @@ import psutil
 import trio
 
 # benchmarks/ is on sys.path (this file runs as a script)
-from _orchestrator_fake import ExactStepClock, fake_cpu_cells, fake_engine_cells
-from _orchestrator_scripted import PROMPT, hop_latency, pipeline, throughput_cells
+from harness.fake_engine_cells import fake_cpu_cells, fake_engine_cells
+from harness.replica_cells import Shape, replica_cells
+from harness.scripted_cells import PROMPT, hop_latency, pipeline, throughput_cells
 
 import omni_trio
 from omni_trio.outputs import StageOutput
+from omni_trio.testing import ExactStepClock
 
 
 async def rss_per_request(n: int, n_stages: int = 3, hang_stage: int = 0) -> dict[str, float]:
@@ -206,10 +210,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         }
     results["idle"] = {k: round(v, 4) for k, v in (await idle_cpu(args.idle_seconds)).items()}
     if args.replicas:
-        import bench_replicas  # benchmarks/ is on sys.path: this file runs as a script
-
-        replica_shape = bench_replicas.Shape(requests=100 if args.quick else 1000)
-        results["replicas"] = await bench_replicas.replica_cells(replica_shape, args.passes)
+        replica_shape = Shape(requests=100 if args.quick else 1000)
+        results["replicas"] = await replica_cells(replica_shape, args.passes)
     return results
 
 

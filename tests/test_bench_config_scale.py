@@ -1,40 +1,37 @@
-"""benchmarks/bench_config_scale.py's cell (load a pipeline file, open its engine, run one
-request, close) on small pipelines of both shapes: every step is timed, and the request's
-outputs are checked against what flows through the stages."""
+"""benchmarks/bench_config_scale.py run as a script on small pipelines of both shapes (slow: it
+starts a process per cell): every step of every cell is timed, and each cell's request was
+checked against what flows through the stages (a request that skipped a stage fails the cell's
+process, and so the script)."""
 
 from __future__ import annotations
 
-import importlib
+import json
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-# the benchmark is a script, not a package: import it from its directory
-sys.path.insert(0, str(ROOT / "benchmarks"))
-bench = importlib.import_module("bench_config_scale")
+from .conftest import run_bounded
 
-
-@pytest.mark.parametrize("shape", ["chain", "independent"])
-async def test_a_cell_times_every_step_of_a_checked_request(autojump_clock, tmp_path, shape):
-    path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump(bench.pipeline(7, shape)))
-    figures = await bench.cell(7, shape, path)
-    assert list(figures) == list(bench.STEPS)
-    for step in figures.values():
-        assert set(step) == {"wall_s", "cpu_s", "gc_cpu_s"}
-        assert step["cpu_s"] >= step["gc_cpu_s"] >= 0
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_config_scale.py"
+STEPS = ("load", "open", "request", "close")
 
 
-def test_the_check_refuses_a_request_that_skipped_stages():
-    class Out:
-        def __init__(self, stage_id: str, token_ids: tuple[int, ...]) -> None:
-            self.stage_id, self.token_ids, self.finished = stage_id, token_ids, True
-
-    bench._check(3, "chain", [Out("s2", (bench.PROMPT[0] + 3,))])
-    with pytest.raises(AssertionError):
-        bench._check(3, "chain", [Out("s2", (bench.PROMPT[0] + 2,))])
-    with pytest.raises(AssertionError):
-        bench._check(3, "independent", [Out("s0", (2,)), Out("s1", (2,))])
+@pytest.mark.slow
+def test_every_step_of_a_checked_request_is_timed_for_both_shapes():
+    args = [sys.executable, str(SCRIPT), "--sizes", "3,7", "--shapes", "chain,independent"]
+    done = run_bounded(args, 300, "bench_config_scale.py to end")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["sizes"] == [3, 7]
+    for shape in ("chain", "independent"):
+        assert set(result[shape]) == {"3", "7"}
+        for n, row in result[shape].items():
+            assert row["finished"] is True, (shape, n)
+            assert list(row) == ["finished", *STEPS]
+            for step in STEPS:
+                figures = row[step]
+                assert figures["cpu_s"] >= figures["gc_cpu_s"] >= 0, (shape, n, step)
+                assert figures["wall_s"] > 0 and figures["cpu_us_per_stage"] >= 0
+        # no size of 100 stages or more: growth is against the first size
+        assert all(result[shape]["3"][step]["growth"] in (1.0, None) for step in STEPS)

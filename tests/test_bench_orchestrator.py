@@ -1,115 +1,87 @@
-"""benchmarks/bench_orchestrator.py's fake engine (_orchestrator_fake.py) on the mock clock:
-the omni-trio side (whose steps hand outputs straight to the consumer through
-``emit.nowait``) delivers every token of every request in order, the tokens the engines
-chained by hand give, and a consumer that leaves early leaves nothing in flight."""
+"""benchmarks/bench_orchestrator.py run as a script in its quick mode, one pass (slow: the real
+clock): it exits 0 (each side of every cell asserts that every output of every request reached
+its caller) and its JSON holds together: every cell of each part, the figures each ratio is
+made of, the hops its timed stages noted. The fake engine and the clock it uses are tested
+where they live (tests/testing/)."""
 
 from __future__ import annotations
 
-import importlib
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
-import trio
+import pytest
 
-import omni_trio
+from .conftest import run_bounded
 
-ROOT = Path(__file__).resolve().parent.parent
-# the benchmark is a script with sibling modules, not a package: import them from its directory
-sys.path.insert(0, str(ROOT / "benchmarks"))
-fake = importlib.import_module("_orchestrator_fake")
-
-SHAPE = {"slots": 3, "step_s": 0.002, "tokens": 6}
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_orchestrator.py"
+QUICK_REQUESTS = 16  # the fake engine cells' requests in quick mode
+HOP_REQUESTS = 50  # the hop latency's requests in quick mode
 
 
-def expected(prompt: list[int], stages: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(stages):
-        tokens = [tokens[i % len(tokens)] + 1 for i in range(SHAPE["tokens"])]
-    return tokens
+@pytest.fixture(scope="module")
+def result() -> dict[str, Any]:
+    args = [sys.executable, str(SCRIPT), "--quick", "--passes", "1", "--idle-seconds", "0.2"]
+    done = run_bounded(args, 600, "bench_orchestrator.py --quick to end")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out: dict[str, Any] = json.loads(done.stdout)
+    return out
 
 
-async def test_the_fake_engine_stage_streams_every_token_in_order(autojump_clock):
-    prompts = [[1, 2, 3], [10, 20], [5], [7, 8, 9, 10], [4, 4]]
-    got: dict[int, list[list[int]]] = {}
-    async with omni_trio.open_engine(fake.fake_pipeline(2, SHAPE)) as engine:
-
-        async def one(i: int) -> None:
-            async with engine.generate(prompts[i]) as stream:
-                got[i] = [list(out.token_ids) async for out in stream]
-
-        async with trio.open_nursery() as nursery:
-            for i in range(len(prompts)):
-                nursery.start_soon(one, i)
-        assert engine.statistics().stage_requests_in_flight == 0
-    for i, prompt in enumerate(prompts):
-        # streamed one token per step (the first of them may be merged while the reader
-        # was not waiting), in order, the same tokens as chained by hand
-        assert [t for delta in got[i] for t in delta] == expected(prompt, 2)
-        assert len(got[i]) >= 2
-
-
-async def test_a_consumer_leaving_mid_stream_leaves_nothing(autojump_clock):
-    async with omni_trio.open_engine(fake.fake_pipeline(1, SHAPE)) as engine:
-        for leave_after in range(1, SHAPE["tokens"]):
-            seen = 0
-            async with engine.generate([1, 2]) as stream:
-                async for _out in stream:
-                    seen += 1
-                    if seen == leave_after:
-                        break
-            stats = engine.statistics()
-            assert stats.requests_in_flight == 0 and stats.stage_requests_in_flight == 0
-
-
-def test_cost_split_is_the_one_token_figure_and_the_slope_to_sixteen():
-    assert fake.CPU_TOKENS == (1, 16)
-    split = fake.cost_split({1: 100.0, 16: 250.0})
-    assert split == {"fixed_us_per_request": 100.0, "us_per_output": 10.0}
-
-
-async def test_fake_cpu_cells_measure_both_sides_at_each_size(autojump_clock):
-    cells = await fake.fake_cpu_cells(4, passes=1, batches=1)
-    assert [c["stages"] for c in cells] == [1, 3]
-    for cell in cells:
-        for side in ("omni", "floor"):
-            figures = cell[side]
-            few, many = figures["us_per_request_1_tokens"], figures["us_per_request_16_tokens"]
-            assert few > 0 and many > 0  # thread CPU was spent on each side
-            # the split is made of the two sizes' own figures
-            assert abs(figures["fixed_us_per_request"] - few) < 0.06
-            assert abs(figures["us_per_output"] - (many - few) / 15) < 0.02  # from rounded figures
-
-
-async def test_every_fake_engine_step_is_counted_once(autojump_clock):
-    # 3 requests fill the 3 slots: one wave of 6 steps per stage, on either side
-    async with omni_trio.open_engine(fake.fake_pipeline(2, SHAPE)) as engine:
-        before = fake.FakeEngine.all_steps
-        await fake.run_fake_omni(engine, 3, "steps", SHAPE["tokens"])
-        assert fake.FakeEngine.all_steps - before == 2 * SHAPE["tokens"]
-    before = fake.FakeEngine.all_steps
-    await fake.run_fake_floor(2, 3, SHAPE)
-    assert fake.FakeEngine.all_steps - before == 2 * SHAPE["tokens"]
-
-
-async def test_fake_engine_cells_report_the_loop_cpu_per_step_of_both_sides(autojump_clock):
-    cells = await fake.fake_engine_cells(3, passes=2, shape=SHAPE)
+@pytest.mark.slow
+def test_the_fake_engine_cells_report_both_sides_and_the_hops_of_each_request(result):
+    assert result["benchmark"] == "orchestrator" and result["passes"] == 1
+    cells = result["fake_engine"]
     assert [c["stages"] for c in cells] == [1, 2, 3]
     for cell in cells:
         assert set(cell["cpu_us_per_step"]) == {"omni", "floor"}
         assert all(us > 0 for us in cell["cpu_us_per_step"].values())
         low, high = cell["wall_ratio_min_max"]
         assert low <= cell["wall_ratio_median"] <= high
+        # the timed fake engine stages noted every hop of every request of the pass
+        assert cell["hop"]["hops"] == QUICK_REQUESTS * (cell["stages"] - 1)
+    # under the exact step clock: wall time only (its polling would count as CPU)
+    exact = result["fake_engine_exact_steps"]
+    assert [c["stages"] for c in exact] == [1, 2, 3]
+    assert all("cpu_us_per_step" not in c and c["wall_ratio_median"] > 0 for c in exact)
 
 
-def test_the_exact_step_clock_blocks_until_a_millisecond_before_the_deadline_then_polls():
-    clock = fake.ExactStepClock(now=lambda: 10.0)
-    assert clock.current_time() == 10.0
-    assert abs(clock.deadline_to_sleep_time(10.005) - 0.004) < 1e-9
-    assert clock.deadline_to_sleep_time(10.0005) == 0.0  # the last millisecond: poll
-    assert clock.deadline_to_sleep_time(9.0) == 0.0  # due already
-    assert clock.deadline_to_sleep_time(float("inf")) == float("inf")  # nothing to wait for
+@pytest.mark.slow
+def test_the_fake_cpu_cells_split_each_sides_cost_into_fixed_and_per_output(result):
+    cells = result["fake_cpu"]
+    assert [c["stages"] for c in cells] == [1, 3]
+    for cell in cells:
+        for side in ("omni", "floor"):
+            figures = cell[side]
+            few, many = figures["us_per_request_1_tokens"], figures["us_per_request_16_tokens"]
+            assert few > 0 and many > 0  # thread CPU was spent on each side
+            # the fixed cost is the 1-token figure, the per-output cost the slope to 16
+            assert figures["fixed_us_per_request"] == pytest.approx(few, abs=0.06)
+            assert figures["us_per_output"] == pytest.approx((many - few) / 15, abs=0.02)
 
 
-async def test_fake_engine_cells_leave_the_cpu_figures_out_when_asked(autojump_clock):
-    cells = await fake.fake_engine_cells(3, passes=1, shape=SHAPE, cpu_figures=False)
-    assert all("cpu_us_per_step" not in c and c["wall_ratio_median"] > 0 for c in cells)
+@pytest.mark.slow
+def test_the_throughput_ratio_is_the_product_of_its_two_floors(result):
+    cells = result["throughput"]
+    assert [(c["stages"], c["concurrency"]) for c in cells] == [(1, 1), (1, 100), (3, 1), (3, 100)]
+    for cell in cells:
+        assert cell["ratio_cpu"] > 0 and cell["consumer_floor_ratio_cpu"] > 0
+        # with one pass, omni/floor = omni/consumer floor x consumer floor/floor (3 digits)
+        product = cell["ratio_cpu_vs_consumer_floor"] * cell["consumer_floor_ratio_cpu"]
+        assert product == pytest.approx(cell["ratio_cpu"], rel=0.01, abs=0.002)
+
+
+@pytest.mark.slow
+def test_the_hop_memory_and_idle_figures_cover_what_they_say(result):
+    # 3 stages: two hops per request
+    assert result["hop_latency"]["hops"] == 2 * HOP_REQUESTS
+    assert result["hop_latency"]["p50_ms"] <= result["hop_latency"]["p99_ms"]
+    for key in ("memory", "memory_3_stages_in_last", "memory_1_stage"):
+        assert result[key]["requests_in_flight"] == 200, key
+        assert result[key]["python_heap_per_request_kib"] > 0, key
+    # the stage holding them emitted nothing: only the last-stage case keeps outputs
+    assert result["memory"]["kept_for_abort_kib_per_request"] == 0
+    assert result["memory_3_stages_in_last"]["kept_for_abort_kib_per_request"] > 0
+    assert result["idle"]["idle_wall_s"] > 0
+    assert all(len(v) == 2 for v in result["targets"].values())

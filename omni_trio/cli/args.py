@@ -126,12 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         parents=[common],
-        help="run the benchmarks in benchmarks/ (JSON results)",
-        description="Run every benchmarks/bench_*.py script (or --only NAME), forwarding "
-        "any further arguments to each.",
+        help="run the benchmarks of an omni-trio checkout (JSON results)",
+        description="Run every benchmarks/bench_*.py script (or --only NAME) of the omni-trio "
+        "checkout the current directory is in (else the one this package runs from), "
+        "forwarding any further arguments to each. The benchmarks are not part of the "
+        "installed package: they need a checkout.",
     )
     bench.add_argument("--only", action="append", help="run only bench_<NAME>.py (repeatable)")
-    bench.add_argument("--dir", default=None, help="the benchmarks directory")
+    bench.add_argument(
+        "--dir", default=None, help="the benchmarks directory (default: the checkout's)"
+    )
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the scripts")
     return parser
 

@@ -2,7 +2,8 @@
 
 ``demo`` and ``run`` start an engine, stream each prompt's text to stdout and write audio
 outputs as WAV files (:mod:`omni_trio.cli.runner`); ``validate`` and ``schema`` start nothing;
-``bench`` runs the benchmark scripts as subprocesses. Each ``cmd_*`` takes the parsed
+``bench`` runs the benchmark scripts of an omni-trio checkout as subprocesses (they are not
+part of the installed package: :func:`find_benchmarks`). Each ``cmd_*`` takes the parsed
 arguments and returns the exit code, or raises: :class:`~omni_trio.cli.args.UsageError`
 (exit 2), :class:`RuntimeFailure` (exit 1), or what the engine raised (see
 :func:`omni_trio.cli.main.main`). ``serve`` is in :mod:`omni_trio.cli.serve`.
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from ..config.pipeline import PipelineConfig
 
 __all__ = [
+    "CHECKOUT_NEEDED",
     "DEMO_PROMPTS",
     "RANDOM_WEIGHTS_NOTE",
     "RuntimeFailure",
@@ -46,6 +49,7 @@ __all__ = [
     "cmd_run",
     "cmd_schema",
     "cmd_validate",
+    "find_benchmarks",
 ]
 
 T = TypeVar("T")
@@ -183,17 +187,51 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_dir(explicit: str | None) -> Path:
-    candidates = [Path(explicit)] if explicit else []
-    candidates += [Path.cwd() / "benchmarks", Path(__file__).resolve().parent.parent / "benchmarks"]
-    for d in candidates:
-        if d.is_dir():
-            return d
-    raise UsageError("no benchmarks directory found (run from the repository or pass --dir)")
+#: what ``omni-trio bench`` says where no checkout is found (one line)
+CHECKOUT_NEEDED = (
+    "omni-trio bench needs a checkout of the omni-trio repository: the benchmarks "
+    "(benchmarks/bench_*.py) are not part of the installed package; run it inside a "
+    "checkout, or pass --dir CHECKOUT/benchmarks"
+)
+
+
+def find_benchmarks(explicit: str | None, cwd: Path, package_root: Path) -> Path:
+    """The directory whose ``bench_*.py`` scripts ``omni-trio bench`` runs: ``explicit``
+    (``--dir``) as given; else the ``benchmarks/`` of the omni-trio checkout that holds
+    ``cwd``; else that of the checkout the package itself was imported from
+    (``package_root``, the directory above the ``omni_trio`` package: a checkout for an
+    editable install, ``site-packages`` for an installed one). Blocking (reads files).
+    Raises :class:`UsageError`: ``--dir`` is not a directory, or no checkout was found
+    (:data:`CHECKOUT_NEEDED`)."""
+    if explicit is not None:
+        directory = Path(explicit)
+        if not directory.is_dir():
+            raise UsageError(f"--dir {explicit}: no such directory")
+        return directory
+    for root in (cwd, *cwd.parents, package_root):
+        if _is_checkout(root):
+            return root / "benchmarks"
+    raise UsageError(CHECKOUT_NEEDED)
+
+
+def _is_checkout(root: Path) -> bool:
+    """Whether ``root`` is an omni-trio checkout: a ``benchmarks/`` directory beside a
+    ``pyproject.toml`` that names the project ``omni-trio`` (another project's benchmarks
+    are not run). Blocking."""
+    if not (root / "benchmarks").is_dir():
+        return False
+    try:
+        with open(root / "pyproject.toml", "rb") as f:
+            project = tomllib.load(f).get("project", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
+    return isinstance(project, dict) and project.get("name") == "omni-trio"
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    directory = _bench_dir(args.dir)
+    # the directory above the omni_trio package (this module is omni_trio/cli/commands.py)
+    package_root = Path(__file__).resolve().parents[2]
+    directory = find_benchmarks(args.dir, Path.cwd(), package_root)
     scripts = sorted(directory.glob("bench_*.py"))
     if args.only:
         wanted = {f"bench_{n.removeprefix('bench_').removesuffix('.py')}.py" for n in args.only}

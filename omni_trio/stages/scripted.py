@@ -69,7 +69,7 @@ from .backend import StageBackend
 from .emit import Emit, nowait_of
 from .input_stream import InputStream
 
-__all__ = ["RecentList", "ScriptedBackend", "scripted_tokens"]
+__all__ = ["RecentList", "ScriptedBackend", "input_tokens", "scripted_tokens"]
 
 T = TypeVar("T")
 
@@ -196,7 +196,10 @@ def _whole(stage_id: str, tokens: Sequence[int], reason: str, k: int) -> StageOu
     )
 
 
-def _input_tokens(chunk: StageInput) -> tuple[int, ...]:
+def input_tokens(chunk: StageInput) -> tuple[int, ...]:
+    """The token ids an input chunk brings: its ``token_ids``, else its ``prompt``'s UTF-8
+    bytes, else ``data["prompt_token_ids"]``, else ``data["prompt"]``'s UTF-8 bytes; none
+    if it has none of them. Pure."""
     if chunk.token_ids:
         return chunk.token_ids
     if chunk.prompt is not None:
@@ -299,7 +302,7 @@ class ScriptedBackend(StageBackend):
                         input_done = True
                         break
                     chunks.append(chunk)
-                    tokens.extend(_input_tokens(chunk))
+                    tokens.extend(input_tokens(chunk))
                     input_done = chunk.final
                 if stopped:
                     break

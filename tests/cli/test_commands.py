@@ -5,6 +5,8 @@ watch that ``run`` and ``demo`` run under (``_until_sigint``), on its own."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import sys
 import wave
@@ -15,7 +17,8 @@ import pytest
 import trio
 
 import omni_trio
-from omni_trio.cli.commands import _until_sigint
+from omni_trio.cli.args import UsageError
+from omni_trio.cli.commands import CHECKOUT_NEEDED, _until_sigint, find_benchmarks
 from omni_trio.cli.main import main
 from omni_trio.cli.runner import StageTimer, run_prompts
 from omni_trio.errors import StageError
@@ -91,6 +94,77 @@ def test_bench_runs_scripts_and_forwards_args(tmp_path, capfd):
     assert "bench_fail.py (exit 3)" in capfd.readouterr().err
     assert main(["bench", "--dir", str(bench), "--only", "nope"]) == 2
     assert "no such benchmark(s): bench_nope.py" in capfd.readouterr().err
+    assert main(["bench", "--dir", str(tmp_path / "missing")]) == 2
+    assert one_line_error(capfd.readouterr().err).endswith("missing: no such directory")
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def checkout(root: Path, name: str = "omni-trio") -> Path:
+    """A directory that looks like a checkout of project ``name``: pyproject.toml and a
+    benchmarks/ directory with one script, which prints where omni_trio came from."""
+    (root / "benchmarks").mkdir(parents=True)
+    (root / "pyproject.toml").write_text(f'[project]\nname = "{name}"\n')
+    (root / "benchmarks" / "bench_where.py").write_text(
+        "import json, omni_trio\nprint(json.dumps({'omni_trio': omni_trio.__file__}))\n"
+    )
+    return root
+
+
+def test_bench_finds_the_checkout_around_the_directory_or_the_package(tmp_path):
+    repo = checkout(tmp_path / "repo")
+    inside = repo / "docs" / "deep"
+    inside.mkdir(parents=True)
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    # from anywhere inside a checkout, whatever the package's place
+    assert find_benchmarks(None, inside, site) == repo / "benchmarks"
+    # outside any: the checkout the package runs from (an editable install)
+    assert find_benchmarks(None, tmp_path, repo) == repo / "benchmarks"
+    # another project's benchmarks are not run
+    other = checkout(tmp_path / "other", name="other-project")
+    assert find_benchmarks(None, other, repo) == repo / "benchmarks"
+    # an installed package outside any checkout: say what is needed
+    with pytest.raises(UsageError) as info:
+        find_benchmarks(None, other, site)
+    assert str(info.value) == CHECKOUT_NEEDED
+    assert find_benchmarks(str(site), other, site) == site  # --dir as given
+
+
+def test_bench_from_anywhere_in_this_checkout_runs_its_benchmarks(monkeypatch, capfd):
+    monkeypatch.chdir(REPO / "docs")
+    # --only with an unknown name lists what it found, and runs nothing
+    assert main(["bench", "--only", "nope"]) == 2
+    err = one_line_error(capfd.readouterr().err)
+    assert "have: bench_bridge.py, bench_codec.py" in err and "bench_orchestrator.py" in err
+
+
+def installed_copy(site: Path) -> dict[str, str]:
+    """The package as a wheel installs it (omni_trio/ only, no benchmarks/ beside it) in
+    ``site``; the environment that imports it from there."""
+    shutil.copytree(
+        REPO / "omni_trio", site / "omni_trio", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    return {**os.environ, "PYTHONPATH": str(site)}
+
+
+def test_bench_from_an_installed_package_runs_a_checkouts_benchmarks_or_says_it_needs_one(
+    tmp_path,
+):
+    env = installed_copy(tmp_path / "site-packages")
+    command = [sys.executable, "-m", "omni_trio", "bench"]
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    done = run_bounded(command, 120, "omni-trio bench", cwd=outside, env=env)
+    assert done.returncode == 2, done.stderr
+    assert one_line_error(done.stderr) == f"omni-trio: error: {CHECKOUT_NEEDED}"
+    assert done.stdout == ""
+    repo = checkout(tmp_path / "repo")
+    done = run_bounded(command, 120, "omni-trio bench", cwd=repo, env=env)
+    assert done.returncode == 0, done.stderr
+    where = json.loads(done.stdout.strip().splitlines()[-1])["omni_trio"]
+    assert Path(where).is_relative_to(tmp_path / "site-packages")  # the installed package
 
 
 # -- omni-trio validate: exit 2 and one line naming the file and path -------------------

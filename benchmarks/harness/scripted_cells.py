@@ -6,8 +6,8 @@ outputs per wall second and per CPU second through ``open_engine`` (``run_omni``
 (``run_floor``; ``run_floor_consumer`` adds the caller's reading task), interleaved
 passes; ``hop_latency`` runs requests one at a time through 3
 ``TimedScripted`` stages. Stages note when they hold an input and when they emit their
-finished output in ``INPUT_AT`` / ``FINISHED_AT``, which the fake engine stage fills too;
-``hop_stats`` turns them into per-hop latency.
+finished output in ``INPUT_AT`` / ``FINISHED_AT``, which the fake engine stage of
+:mod:`harness.fake_engine_cells` fills too; ``hop_stats`` turns them into per-hop latency.
 """
 
 from __future__ import annotations
