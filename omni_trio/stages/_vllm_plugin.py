@@ -120,7 +120,7 @@ def _watch(parent: int) -> None:
             exc,
         )
         return
-    logger.debug("process %d stops when its parent %d exits", os.getpid(), parent)
+    logger.info("process %d watches the omni-trio process %d that started it", os.getpid(), parent)
 
 
 def _parent_died(pid: int) -> None:

@@ -343,16 +343,16 @@ def test_a_killed_server_leaves_no_process_behind(served: Served) -> None:
     with streaming(served.url, 4):
         kids = server.children()
         kinds = engine_processes(psutil.Process(server.proc.pid))
-        environ = {p.pid: p.environ() for p in kinds["core"]}
         left = kill_and_wait(kids, server.proc, EXIT_BOUND_S)
     assert left == [], f"still running {EXIT_BOUND_S} s after the kill: {left}"
     assert kinds["core"] and kinds["worker"] and kinds["tracker"]
     assert pids(kids) == pids([p for procs in kinds.values() for p in procs])
     (core,) = kinds["core"]
-    # it was told to watch the server (the environment it was spawned with)
-    assert environ[core.pid][FRONTEND_ENV] == str(server.proc.pid)
-    # the EngineCore stopped itself on its frontend's death (vLLM's own clean stop)
+    # it watched the server (its environment cannot be read back: vLLM's retitling of the
+    # process overwrites what /proc shows of it) and stopped itself on its death (vLLM's own
+    # clean stop)
     log = log_of(server)
+    assert f"process {core.pid} watches the omni-trio process {server.proc.pid}" in log
     assert f"process {core.pid}: the omni-trio process {server.proc.pid} that started" in log
     assert "[shutdown] Executor: all workers exited gracefully" in log
 
@@ -385,8 +385,8 @@ def test_a_ray_placed_replica_leaves_no_process_when_its_actor_then_the_server_i
         kinds = engine_processes(actor)
         assert kinds["core"] and kinds["worker"], tree
         # the actor is its engine's frontend: its EngineCore watches it (omni-trio's second
-        # line behind Ray, which kills a dead actor's process group)
-        assert all(p.environ()[FRONTEND_ENV] == str(actor.pid) for p in kinds["core"])
+        # line behind Ray, which kills a dead actor's process group; Ray keeps the actor's
+        # log, so the watch is not checked here, only its outcome)
         engine = [p for procs in kinds.values() for p in procs]
         # the actor's process dies as the OOM killer ends it: nothing of it runs after
         left_by_actor = kill_and_wait(engine, actor, EXIT_BOUND_S)
