@@ -38,7 +38,7 @@ from ..observer import ObserverSet
 from ..outputs import StageInput, StageOutput
 from ..stages.emit import Emit
 from ..stages.pool import StagePool
-from ..stages.processors import InputProcessor
+from ..stages.processors import InputProcessor, reads_text
 from ..transport.queue import OutputQueue
 from .companions import companion_key, run_with_companions
 from .emits import CollectEmit, OutboxEmit, pulled_emitter
@@ -51,6 +51,8 @@ __all__ = ["StageRunner"]
 
 #: one stage task of a request (a backend run or a routing loop); returns what it made ready
 Run = Callable[[], Awaitable[Ready]]
+#: a stage's path, whether its outputs are streamed, whether their text is read
+Layout = tuple[StagePath, bool, bool]
 
 
 class StageRunner:
@@ -71,18 +73,19 @@ class StageRunner:
         self._stages = {st.id: st for st in config.stages}
         # each stage's upstream ids as a tuple, which every feed of it shares
         self._upstream = {st.id: tuple(st.inputs) for st in config.stages}
-        # per route: each active stage's path and whether its outputs are streamed (they
-        # depend on the plan and the config only); RoutePlanner keeps a bounded set of plans
-        # (by the plan's id, checked against the plan itself: no hash of the plan per stage)
-        self._layouts: dict[int, tuple[RequestPlan, dict[str, tuple[StagePath, bool]]]] = {}
+        # per route: each active stage's path, whether its outputs are streamed and whether
+        # their text is read (they depend on the plan and the config only); RoutePlanner
+        # keeps a bounded set of plans (by the plan's id, checked against the plan itself: no
+        # hash of the plan per stage)
+        self._layouts: dict[int, tuple[RequestPlan, dict[str, Layout]]] = {}
 
-    def _layout(self, plan: RequestPlan) -> dict[str, tuple[StagePath, bool]]:
-        """Each active stage's path without observers and its ``streamed`` flag (see
-        :meth:`_stage_tasks`), computed once per plan. Synchronous."""
+    def _layout(self, plan: RequestPlan) -> dict[str, Layout]:
+        """Each active stage's path without observers, its ``streamed`` flag and its
+        ``text`` flag (see :meth:`_stage_tasks`), computed once per plan. Synchronous."""
         known = self._layouts.get(id(plan))
         if known is not None and known[0] is plan:
             return known[1]
-        layout: dict[str, tuple[StagePath, bool]] = {}
+        layout: dict[str, Layout] = {}
         # linear in the active stages and their edges: a 2,000-stage chain plans at once
         active = set(plan.active)
         downstream = self.config.graph().downstream
@@ -91,7 +94,10 @@ class StageRunner:
             output = sid in plan.output_set
             streamed = output or any(st.stream_input for st in down)
             path = stage_path(output=output, feeds=len(down), streamed=streamed, observed=False)
-            layout[sid] = (path, streamed)
+            text = output or any(
+                reads_text(self._processors[st.id], st.processor_options) for st in down
+            )
+            layout[sid] = (path, streamed, text)
         if len(self._layouts) < 256 or known is not None:
             self._layouts[id(plan)] = (plan, layout)
         return layout
@@ -193,14 +199,16 @@ class StageRunner:
     ) -> list[Run]:
         """What runs for stage ``sid`` of a request: one or two tasks (see ``stage_path``).
         ``streamed``: a caller or a ``stream_input`` stage needs the outputs as they come
-        (else the backend may send its finished output only)."""
-        path, streamed = self._layout(req.plan)[sid]
+        (else the backend may send its finished output only). ``text``: a caller or a
+        downstream input processor reads the outputs' text (else the backend may leave it out;
+        only a collected stage has nobody else to read it)."""
+        path, streamed, text = self._layout(req.plan)[sid]
         if self.observers:
             path = "routed"
         if path == "pulled":
             return [partial(self._run_pulled, req, sid, inputs)]
         if path == "collected":
-            return [partial(self._run_collected, req, sid, inputs, feeds)]
+            return [partial(self._run_collected, req, sid, inputs, feeds, text)]
         outbox: OutputQueue[StageOutput] = OutputQueue(self.config.output_buffer)
         return [
             partial(self._run_backend, req, sid, inputs, outbox, streamed, feeds),
@@ -226,13 +234,17 @@ class StageRunner:
         sid: str,
         inputs: StageInputs,
         feeds: Sequence[StageFeed],
+        text: bool,
     ) -> Ready:
         # A stage whose outputs nobody needs as they come (no caller, no streaming downstream
         # stage): the backend's outputs are kept, and routed here once it returned (out of
         # its call stack), straight to the downstream stages' input: no routing task.
         collect = CollectEmit(req, sid)
         emitter = collect.emitter()
-        if not await self._run_stage(req, sid, inputs, emitter, streamed=False, feeds=feeds):
+        ran = await self._run_stage(
+            req, sid, inputs, emitter, streamed=False, text=text, feeds=feeds
+        )
+        if not ran:
             return NONE_READY
         ready: list[tuple[StageFeed, StageInput | None]] = []
         try:
@@ -258,13 +270,15 @@ class StageRunner:
         emit: Emit,
         *,
         streamed: bool,
+        text: bool = True,
         feeds: Sequence[StageFeed] = (),
     ) -> bool:
         """Run the request on stage ``sid``'s pool (bound to a replica, run there, released);
-        whether the backend returned normally. An abort through the replica
-        (``StageBackend.abort``) aborts the request, any failure fails it. Its companions (on
-        the entry stage that made them) run beside it on the same replica, their outputs into
-        ``feeds``; it returns once they ended too. Checkpoints."""
+        whether the backend returned normally (``streamed`` and ``text``: see
+        ``StageBackend.run_request``). An abort through the replica (``StageBackend.abort``)
+        aborts the request, any failure fails it. Its companions (on the entry stage that made
+        them) run beside it on the same replica, their outputs into ``feeds``, and keep their
+        text; it returns once they ended too. Checkpoints."""
         pool = self._pools[sid]
         rid = req.request_id
         try:
@@ -287,6 +301,7 @@ class StageRunner:
                             req.sampling_params(sid),
                             emit,
                             streamed=streamed,
+                            text=text,
                             context=context,
                         )
                 finally:

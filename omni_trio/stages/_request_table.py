@@ -80,6 +80,7 @@ class RequestTable:
         emit: Emit,
         *,
         streamed: bool,
+        text: bool,
         context: RequestContext | None,
     ) -> None:
         """Record ``request_id`` as running, await ``run(emitter)`` in its own cancel scope,
@@ -97,7 +98,7 @@ class RequestTable:
                 request_id=request_id,
             )
         running = RunningRequest(
-            request_id, self.stage_id, self.name, streamed=streamed, context=context
+            request_id, self.stage_id, self.name, streamed=streamed, text=text, context=context
         )
         self._running[request_id] = running
         if _watches:  # someone waits for this request to run here (an interaction)

@@ -61,6 +61,7 @@ class RunningRequest:
         "scope",
         "stage_id",
         "streamed",
+        "text",
         "violation",
     )
 
@@ -71,6 +72,7 @@ class RunningRequest:
         replica: str,
         *,
         streamed: bool = True,
+        text: bool = True,
         context: RequestContext | None = None,
     ):
         self.request_id = request_id
@@ -85,6 +87,8 @@ class RunningRequest:
         self.violation: StageError | None = None
         #: whether anyone needs the outputs as they come (else the finished one is enough)
         self.streamed = streamed
+        #: whether anyone reads the outputs' text (else token ids are enough)
+        self.text = text
         #: the request's context (original prompt, sampling params, options), if given
         self.context = context
         #: the backend call returned or raised

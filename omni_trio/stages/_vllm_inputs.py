@@ -24,11 +24,14 @@ _BUILT: dict[tuple[object, ...], Any] = {}
 _BUILT_MAX = 256
 
 
-def sampling_params(v: SimpleNamespace, sp: Any, final_only: bool) -> Any:
+def sampling_params(v: SimpleNamespace, sp: Any, final_only: bool, text: bool = True) -> Any:
     """A vLLM ``SamplingParams`` for one request: ``None`` or a dict (keys checked), or a
     ``SamplingParams``; its output kind DELTA, or FINAL_ONLY when nobody streams the
-    outputs. The result may be shared with other requests (vLLM copies it). Raises
-    InvalidRequestError for a bad key or type; vLLM raises for bad values."""
+    outputs. Without ``text`` (nobody reads the outputs' text) dict params ask vLLM not to
+    detokenize, unless they set ``detokenize`` or have stop strings (matched on the text); a
+    ``SamplingParams`` is taken as it is. The result may be shared with other requests
+    (vLLM copies it). Raises InvalidRequestError for a bad key or type; vLLM raises for bad
+    values."""
     kind = v.FINAL_ONLY if final_only else v.DELTA
     if isinstance(sp, v.SamplingParams):
         if sp.output_kind == kind:
@@ -43,12 +46,14 @@ def sampling_params(v: SimpleNamespace, sp: Any, final_only: bool) -> Any:
             f"sampling_params must be None, a dict or a vllm SamplingParams, "
             f"not {type(sp).__name__}"
         )
-    key = _key(sp, final_only)
+    detokenize = text or "detokenize" in sp or bool(sp.get("stop"))
+    key = _key(sp, final_only, detokenize)
     built = _BUILT.get(key) if key is not None else None
     if built is not None:
         return built
     check_sampling_keys(sp, v.SamplingParams.__struct_fields__)
-    built = v.SamplingParams(**{**sp, "output_kind": kind})
+    extra = {"output_kind": kind} if detokenize else {"output_kind": kind, "detokenize": False}
+    built = v.SamplingParams(**{**sp, **extra})
     if key is not None:
         if len(_BUILT) >= _BUILT_MAX:
             _BUILT.clear()
@@ -56,9 +61,9 @@ def sampling_params(v: SimpleNamespace, sp: Any, final_only: bool) -> Any:
     return built
 
 
-def _key(sp: dict[str, Any], final_only: bool) -> tuple[object, ...] | None:
+def _key(sp: dict[str, Any], final_only: bool, detokenize: bool) -> tuple[object, ...] | None:
     """A hashable key for dict params, or None when a value is not hashable (a list)."""
-    key = (final_only, *sorted(sp.items()))
+    key = (final_only, detokenize, *sorted(sp.items()))
     try:
         hash(key)
     except TypeError:

@@ -88,6 +88,8 @@ class Submit:
     #: ``prompt`` is the first of several input segments; the others follow as
     #: :class:`Segment` commands (vLLM's streaming input: a resumable request)
     segmented: bool = False
+    #: someone reads the outputs' text: else vLLM need not detokenize them
+    text: bool = True
 
 
 @dataclass(frozen=True, slots=True)

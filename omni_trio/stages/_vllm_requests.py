@@ -114,7 +114,7 @@ class EngineRequests:
             try:
                 # a segmented request streams its outputs: vLLM refuses FINAL_ONLY for it
                 params = sampling_params(
-                    v, sub.sampling_params, sub.final_only and not sub.segmented
+                    v, sub.sampling_params, sub.final_only and not sub.segmented, sub.text
                 )
                 if options is None:
                     prompt = render(v, engine, sub.prompt, self.mm_scope)

@@ -261,6 +261,7 @@ class StageBackend(abc.ABC):
         emit: Emit,
         *,
         streamed: bool = True,
+        text: bool = True,
         context: RequestContext | None = None,
     ) -> Coroutine[object, object, None]:
         """Run one request on this replica, streaming its outputs through ``emit``: await
@@ -268,9 +269,12 @@ class StageBackend(abc.ABC):
 
         ``streamed=False`` says nobody needs the outputs as they come (no caller streams this
         stage, no downstream stage takes streamed input): the backend may then emit its
-        finished output only (:meth:`outputs_streamed` tells ``_run``). ``context`` is the
-        request's :class:`~omni_trio.context.RequestContext` (:meth:`request_context` gives
-        it to ``_run``).
+        finished output only (:meth:`outputs_streamed` tells ``_run``). ``text=False`` says
+        nobody reads the outputs' text (no caller or observer sees them, the downstream input
+        processors take token ids only): the backend may then leave the text out
+        (:meth:`outputs_text_read` tells ``_run``). ``context`` is the request's
+        :class:`~omni_trio.context.RequestContext` (:meth:`request_context` gives it to
+        ``_run``).
 
         Awaiting it checkpoints. Cancelling the caller aborts the request here before
         returning. Raises :class:`ReplicaDeadError` if the replica is or becomes dead,
@@ -283,7 +287,9 @@ class StageBackend(abc.ABC):
         # closure: no extra coroutine frame per request while it runs (the heap each request
         # in flight holds).
         run = partial(self._run, request_id, inputs, sampling_params)
-        return self._requests.run(request_id, run, emit, streamed=streamed, context=context)
+        return self._requests.run(
+            request_id, run, emit, streamed=streamed, text=text, context=context
+        )
 
     def request_context(self, request_id: str) -> RequestContext | None:
         """The context ``request_id`` was run with here (original prompt, every stage's
@@ -329,6 +335,12 @@ class StageBackend(abc.ABC):
         :meth:`run_request`); ``True`` for an unknown request. Synchronous."""
         running = self._requests.get(request_id)
         return running is None or running.streamed
+
+    def outputs_text_read(self, request_id: str) -> bool:
+        """Whether anyone reads the text of ``request_id``'s outputs on this replica (see
+        :meth:`run_request`); ``True`` for an unknown request. Synchronous."""
+        running = self._requests.get(request_id)
+        return running is None or running.text
 
     async def abort(self, request_id: str) -> None:
         """Abort a request on this replica: cancel its run here and return once the backend

@@ -46,6 +46,7 @@ __all__ = [
     "map_tokens",
     "original_prompt",
     "passthrough",
+    "reads_text",
     "token_handoff",
 ]
 
@@ -206,6 +207,19 @@ def original_prompt(
     if isinstance(prompt, Mapping):
         return StageInput(data=dict(prompt), final=True, source=source)
     return StageInput(token_ids=tuple(prompt), data=data, final=True, source=source)
+
+
+def reads_text(processor: InputProcessor, options: Mapping[str, Any] | None) -> bool:
+    """Whether ``processor`` (with its stage's ``processor_options``) may read its upstream
+    outputs' text. Pure. False only for the built-ins that do not: :func:`token_handoff`
+    without ``include_text`` and :func:`original_prompt` without ``include_upstream_text``;
+    any other processor is taken to read it."""
+    opts = options or {}
+    if processor is token_handoff:
+        return bool(opts.get("include_text"))
+    if processor is original_prompt:
+        return bool(opts.get("include_upstream_text"))
+    return True
 
 
 def accepts_context(func: Callable[..., object]) -> bool:

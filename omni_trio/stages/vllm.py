@@ -13,7 +13,11 @@ items; while a request's task waits with nothing pending, its outputs go straigh
 stays per request: each has a window of ``output_buffer`` outputs sent and not yet taken; a
 request out of credit leaves its outputs in vLLM's collector (which merges its deltas) until it
 has taken half of them, so a slow consumer holds back only its own request. A request whose
-outputs nobody streams (see ``outputs_streamed``) asks vLLM for ``FINAL_ONLY``.
+outputs nobody streams (see ``outputs_streamed``) asks vLLM for ``FINAL_ONLY``; one whose text
+nobody reads (``outputs_text_read``: an intermediate stage handing its token ids on, no caller
+or observer reading it) asks vLLM not to detokenize (``detokenize=False``) unless its sampling
+params have stop strings: its outputs carry token ids and no text (in an abort's partial
+outputs too).
 vllm is imported in the worker thread only, so ``import omni_trio`` stays light; without
 vllm, start-up raises :class:`~omni_trio.errors.BackendUnavailableError`.
 
@@ -332,12 +336,13 @@ class VllmBackend(StageBackend):
         inbox = RequestInbox(flow, resume, nowait_of(emit))
         self._inboxes[request_id] = inbox
         final_only = not self.outputs_streamed(request_id)
+        text = self.outputs_text_read(request_id)
         ended = finished = False
         try:
             context = self.request_context(request_id)
             options = None if context is None else request_options(context, entry=self._entry)
             submit = Submit(
-                request_id, prompt, sampling_params, final_only, flow, options, segmented
+                request_id, prompt, sampling_params, final_only, flow, options, segmented, text
             )
             if self._outputs_ended or not worker.command(submit):
                 ended = True  # nothing was submitted: nothing to abort

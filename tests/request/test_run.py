@@ -179,6 +179,59 @@ async def test_fast_path_abort_mid_stream_returns_what_was_delivered(autojump_cl
         assert_nothing_in_flight(engine)
 
 
+TEXT_READ = """
+from omni_trio.stages.scripted import ScriptedBackend
+
+
+class TextRead(ScriptedBackend):
+    # scripted, noting what each request told it: is the text of its outputs read?
+    seen = {}
+
+    async def _run(self, request_id, inputs, sampling_params, emit):
+        type(self).seen[(self.stage_id, request_id)] = self.outputs_text_read(request_id)
+        await super()._run(request_id, inputs, sampling_params, emit)
+"""
+
+
+async def test_a_stage_is_told_whether_its_text_is_read(autojump_clock, user_module):
+    # Only a stage nobody streams, whose downstream processors take token ids only, may leave
+    # its outputs' text out: an output stage, a stage whose downstream processor takes its
+    # text, and every stage while observers watch are told their text is read.
+    module = user_module(TEXT_READ)
+
+    def chain(c_processor: str | None = None) -> object:
+        def stage(sid: str, up: str | None, **kw: object) -> dict[str, object]:
+            inputs = [] if up is None else [up]
+            return {"id": sid, "backend": f"{module}:TextRead", "inputs": inputs, **kw}
+
+        return omni_trio.load_config(
+            {
+                "stages": [
+                    stage("a", None),
+                    stage("b", "a"),
+                    stage("c", "b", final_output=True, input_processor=c_processor),
+                ]
+            }
+        )
+
+    async with omni_trio.open_engine(chain()) as engine:
+        await engine.generate(PROMPT, request_id="plain").collect()
+        await engine.generate(PROMPT, request_id="b-out", output_stages=["b", "c"]).collect()
+        engine.add_observer(EngineObserver())
+        await engine.generate(PROMPT, request_id="observed").collect()
+        assert_nothing_in_flight(engine)
+    async with omni_trio.open_engine(chain("omni_trio.stages.processors:passthrough")) as engine:
+        await engine.generate(PROMPT, request_id="c-takes-text").collect()
+        assert_nothing_in_flight(engine)
+    seen = engine.pools["a"].replica(0).seen  # type: ignore[attr-defined]
+    assert {rid: [seen[(s, rid)] for s in "abc"] for _, rid in seen} == {
+        "plain": [False, False, True],
+        "b-out": [False, True, True],
+        "observed": [True, True, True],
+        "c-takes-text": [False, True, True],
+    }
+
+
 # -- pipelines of thousands of stages: planned in linear time, run without nesting ----------
 
 CHAIN = 2_000

@@ -12,6 +12,7 @@ from omni_trio.stages.processors import (
     map_tokens,
     original_prompt,
     passthrough,
+    reads_text,
     token_handoff,
 )
 
@@ -53,6 +54,20 @@ def test_token_handoff_streaming_and_empty_deltas():
 def test_passthrough_keeps_text():
     res = passthrough({"a": [out(1, text="he"), out(2, text="llo")]}, final=True)
     assert res.prompt == "hello" and res.token_ids == (1, 2)
+
+
+def test_reads_text_is_false_only_for_builtins_that_take_no_upstream_text():
+    # the default hand-off and original_prompt take token ids / the user's prompt, unless
+    # an option asks for the upstream text; anything else may read it
+    assert not reads_text(token_handoff, None)
+    assert not reads_text(token_handoff, {"offset": 3})
+    assert reads_text(token_handoff, {"include_text": True})
+    assert not reads_text(original_prompt, {})
+    assert reads_text(original_prompt, {"include_upstream_text": True})
+    assert reads_text(passthrough, None)
+    assert reads_text(lambda upstream, *, final, options: None, None)
+    # what the loader returns for a config's processor is what is checked
+    assert not reads_text(load_processor(None), None)
 
 
 def test_load_processor():

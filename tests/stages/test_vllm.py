@@ -103,6 +103,7 @@ async def run(
     sp: Any = None,
     *,
     streamed: bool = True,
+    text: bool = True,
     slow: bool = False,
 ) -> list[StageOutput]:
     outs: list[StageOutput] = []
@@ -117,7 +118,7 @@ async def run(
             await run(backend, f"{rid}-companion", chunk, sp)
 
     sp = sp if sp is not None else GREEDY
-    await backend.run_request(rid, one_chunk(chunk), sp, emit, streamed=streamed)
+    await backend.run_request(rid, one_chunk(chunk), sp, emit, streamed=streamed, text=text)
     return outs
 
 
@@ -127,6 +128,27 @@ def tokens(outs: list[StageOutput]) -> list[int]:
 
 def stage(sid: str, engine_args: dict[str, Any], **kw: Any) -> StageConfig:
     return StageConfig(id=sid, backend="vllm", engine_args=engine_args, **kw)
+
+
+def test_params_whose_text_nobody_reads_skip_detokenizing() -> None:
+    # vLLM's detokenize=False for dict params when the text is not read, unless stop strings
+    # (matched on the text) or the caller's own choice need it; a SamplingParams is the
+    # caller's as it is
+    from omni_trio.stages._vllm_inputs import sampling_params
+    from omni_trio.stages._vllm_process import import_vllm
+
+    v = import_vllm()
+    greedy = {"max_tokens": 4, "temperature": 0.0}
+    assert [sampling_params(v, greedy, final, False).detokenize for final in (True, False)] == [
+        False,
+        False,
+    ]
+    assert sampling_params(v, greedy, True).detokenize is True
+    assert sampling_params(v, greedy, True, False) is not sampling_params(v, greedy, True)
+    assert sampling_params(v, {**greedy, "stop": ["."]}, True, False).detokenize is True
+    assert sampling_params(v, {**greedy, "detokenize": True}, True, False).detokenize is True
+    given = v.SamplingParams(max_tokens=4, output_kind=v.FINAL_ONLY)
+    assert sampling_params(v, given, True, False) is given
 
 
 async def abort_mid_stream(engine: omni_trio.Engine, prompt: str) -> list[int]:
@@ -205,12 +227,17 @@ async def test_backend_streams_greedy_tokens_aborts_and_cleans_up(
         first = tokens(by_text[0])
         # a slow consumer: the request stalls (its deltas merge in vLLM) and resumes, and
         # nothing is lost; a request nobody streams gets one output, the whole of it
-        with bounded("the slow consumer's and the unstreamed request's outputs", 120, backend):
+        with bounded("the slow consumer's and the unstreamed requests' outputs", 120, backend):
             slow = await run(backend, "slow", StageInput(prompt=PROMPTS[0]), slow=True)
             whole = await run(backend, "whole", StageInput(prompt=PROMPTS[0]), streamed=False)
+            # ... and one whose text nobody reads is not detokenized: the same tokens, no text
+            untexted = await run(
+                backend, "untexted", StageInput(prompt=PROMPTS[0]), streamed=False, text=False
+            )
         assert tokens(slow) == first and max(len(o.token_ids) for o in slow) > 1
         assert [tokens(whole), len(whole), whole[0].finished] == [first, 1, True]
-        assert whole[0].metrics is not None
+        assert whole[0].metrics is not None and whole[0].text
+        assert [tokens(untexted), len(untexted), untexted[0].text] == [first, 1, ""]
         # token-id and prompt-dict inputs continue the same greedy sequence
         # a vllm SamplingParams object is used as is (and forced to DELTA)
         from vllm.sampling_params import SamplingParams
