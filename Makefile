@@ -48,6 +48,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check omni_trio tests benchmarks examples docs
 	$(BIN)/ruff format --check omni_trio tests benchmarks examples docs
 	$(BIN)/mypy --strict omni_trio
+	@# the package's floors (no upward import, no cycle; tests/test_layers.py)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_layers.py
 
 # Regenerate docs/config.md from the config schema (tests/test_docs.py checks it is current).
 .PHONY: docs

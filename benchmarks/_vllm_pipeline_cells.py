@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from omni_trio.stages._vllm_protocol import CPU_ENGINE_DEFAULTS
+from omni_trio.backends.vllm.protocol import CPU_ENGINE_DEFAULTS
 
 PROMPTS = [f"request {i}: the tiny omni model sings a song about the river" for i in range(997)]
 LAYOUTS = ("core0", "spread")

@@ -43,7 +43,7 @@ from _vllm_pipeline_summary import (
 )
 from _vllm_pipeline_trio import run_trio
 
-from omni_trio.stages._amx import request_amx
+from omni_trio.backends.vllm.amx import request_amx
 
 
 def child_main(a: argparse.Namespace) -> None:

@@ -23,7 +23,7 @@ LEFTOVER_GRACE_S = 5.0
 IDLE_SETTLE_S = 2.0
 
 #: the logger whose debug records mark where each omni-trio engine's stop begins and ends
-STOP_LOGGER = "omni_trio.stages._vllm_process"
+STOP_LOGGER = "omni_trio.backends.vllm.process"
 
 
 def descendants() -> list[list[Any]]:
@@ -248,7 +248,7 @@ def thread_cpu() -> dict[str, float]:
     asyncio loop drives the requests: omni-trio's orchestrator, or the hand-driven program
     with its AsyncLLMs), ``engine_threads`` (omni-trio's vllm stage threads, an asyncio loop
     and an AsyncLLM each) and ``other`` (every other thread, ended ones included)."""
-    from omni_trio.stages.vllm import THREAD_PREFIX
+    from omni_trio.backends.vllm.backend import THREAD_PREFIX
 
     total = time.process_time()
     loop = engines = 0.0

@@ -208,7 +208,7 @@ def run_trio(
         return got
 
     async def main() -> dict[str, Any]:
-        from omni_trio.stages.vllm import THREAD_PREFIX
+        from omni_trio.backends.vllm.backend import THREAD_PREFIX
 
         token = trio.lowlevel.current_trio_token()
         specs = [

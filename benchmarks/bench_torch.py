@@ -24,9 +24,9 @@ from typing import Any
 
 import trio
 
+from omni_trio.backends.torch.backend import TorchBackend
 from omni_trio.config import StageConfig
 from omni_trio.outputs import StageInput, StageOutput
-from omni_trio.stages.torch import TorchBackend
 
 
 def backend(cache_dir: str, *, stream_input: bool = False, **options: Any) -> TorchBackend:

@@ -89,7 +89,7 @@ from _vllm_pipeline_child import child_main
 from _vllm_pipeline_procs import leftover
 from _vllm_pipeline_summary import describe, rounded, summarize_cell, summary_row
 
-from omni_trio.stages._vllm_protocol import CPU_ENGINE_DEFAULTS
+from omni_trio.backends.vllm.protocol import CPU_ENGINE_DEFAULTS
 
 
 def run_child(run: Run, a: argparse.Namespace) -> dict[str, Any]:

@@ -1,4 +1,19 @@
-"""omni-trio: a trio-native structured-concurrency engine for multi-stage inference."""
+"""omni-trio: a trio-native structured-concurrency engine for multi-stage inference.
+
+This namespace is the public API users import (see ``__all__``). The package is in floors
+(README, "Layout"); floor 0 holds the values every layer shares, each in its own module:
+
+- ``errors``: the exception tree; ``failures``: several failures merged into one typed error;
+- ``outputs``: stage inputs and outputs, a request's outputs, statistics; ``context``: what a
+  request carries besides its input; ``_values``: cheaper construction of the frozen values
+  made per output;
+- ``observer``: engine events for metrics and tracing; ``audio``: WAV encoding of audio
+  outputs; ``heap``: the start-up heap left out of full garbage collections;
+
+then ``config/``, ``transport/``, ``stages/``, ``backends/``, ``request/``, ``engine/``,
+``server/``, ``testing/``, ``sync`` (the blocking facade) and ``cli/`` (``__main__`` runs
+it); ``models/`` and ``pipelines/`` hold the tiny models and the shipped pipelines.
+"""
 
 from .config import PipelineConfig, StageConfig, load_config
 from .config.stageinfo import StageInfo

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from omni_trio.backends.vllm.protocol import CPU_ENGINE_DEFAULTS
 from omni_trio.config.options import VllmOptions, parse_options
-from omni_trio.stages._vllm_protocol import CPU_ENGINE_DEFAULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -302,7 +302,7 @@ def test_exit_watch_sees_a_process_exit_when_it_happens() -> None:
 
 
 def test_thread_cpu_tells_the_main_loop_from_omni_trios_engine_threads() -> None:
-    from omni_trio.stages.vllm import THREAD_PREFIX
+    from omni_trio.backends.vllm.backend import THREAD_PREFIX
 
     def burn(seconds: float) -> None:
         end = time.thread_time() + seconds

@@ -3,8 +3,8 @@
 import pytest
 
 from omni_trio import InvalidRequestError, open_engine
+from omni_trio.backends.scripted import ScriptedBackend
 from omni_trio.context import RequestContext, check_request_options
-from omni_trio.stages.scripted import ScriptedBackend
 from omni_trio.testing import scripted_pipeline
 
 

@@ -5,6 +5,7 @@ exist, and the LICENSE matches the package metadata."""
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import importlib.util
 import re
@@ -196,13 +197,41 @@ def test_readme_links_resolve() -> None:
 
 def test_readme_layout_names_existing_modules() -> None:
     section = README[README.index("## Layout") : README.index("## License")]
-    names = set(re.findall(r"`([\w.]+\.py|\w+/)`", section))
+    names = set(re.findall(r"`([\w.]+\.py|[\w/]+/)`", section))
     package = ROOT / "omni_trio"
     existing = {f.name for f in package.rglob("*.py")} | {
-        d.name + "/" for d in [*package.iterdir(), *ROOT.iterdir()] if d.is_dir()
+        d.name + "/" for d in [*package.rglob("*"), *ROOT.iterdir()] if d.is_dir()
     }
+    last = {n: n if n.endswith(".py") else n.rstrip("/").rpartition("/")[2] + "/" for n in names}
+    missing = [n for n in names if last[n] not in existing and not (ROOT / n).exists()]
     assert names, "the Layout section names no module"
-    assert names <= existing, f"README's Layout names missing modules: {sorted(names - existing)}"
+    assert missing == [], f"README's Layout names missing modules: {sorted(missing)}"
+
+
+def undocumented_modules(root: Path, readme: str) -> list[str]:
+    """The package's modules named neither in their package's docstring nor in the README.
+    Pure (reads files)."""
+    missing = []
+    for path in sorted((root / "omni_trio").rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        init = ast.parse((path.parent / "__init__.py").read_text())
+        doc = ast.get_docstring(init) or ""
+        named = re.compile(rf"(?<!\w){re.escape(path.stem)}(?!\w)")
+        if not named.search(doc) and f"{path.stem}.py" not in readme:
+            missing.append(str(path.relative_to(root)))
+    return missing
+
+
+def test_every_module_is_named_in_its_package_docstring_or_the_readme() -> None:
+    assert undocumented_modules(ROOT, README) == []
+
+
+def test_a_new_module_nobody_names_is_caught(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "omni_trio", tmp_path / "omni_trio")
+    assert undocumented_modules(tmp_path, README) == []
+    (tmp_path / "omni_trio" / "stages" / "hidden_room.py").write_text('"""Unnamed."""\n')
+    assert undocumented_modules(tmp_path, README) == ["omni_trio/stages/hidden_room.py"]
 
 
 # -- license and ignores -------------------------------------------------------------------

@@ -85,7 +85,7 @@ def test_run_freezes_the_heap_while_its_prompts_run(tmp_path, user_module, capsy
     module = user_module(
         """
         import gc
-        from omni_trio.stages.scripted import ScriptedBackend
+        from omni_trio.backends.scripted import ScriptedBackend
 
         FROZEN = []
 

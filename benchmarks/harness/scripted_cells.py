@@ -20,10 +20,10 @@ from typing import Any
 import trio
 
 import omni_trio
+from omni_trio.backends.scripted import ScriptedBackend
 from omni_trio.config import load_config
 from omni_trio.outputs import StageInput, StageOutput
 from omni_trio.stages.input_stream import InputStream
-from omni_trio.stages.scripted import ScriptedBackend
 
 # (stage_id, request_id) -> perf_counter of the finished output / of the input's arrival
 FINISHED_AT: dict[tuple[str, str], float] = {}

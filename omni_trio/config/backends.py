@@ -56,10 +56,14 @@ BUILTIN_BACKENDS: Mapping[str, BuiltinBackend] = MappingProxyType(
         b.name: b
         for b in (
             BuiltinBackend(
-                "scripted", "omni_trio.stages.scripted:ScriptedBackend", ScriptedOptions, ""
+                "scripted", "omni_trio.backends.scripted:ScriptedBackend", ScriptedOptions, ""
             ),
-            BuiltinBackend("vllm", "omni_trio.stages.vllm:VllmBackend", VllmOptions, "vllm"),
-            BuiltinBackend("torch", "omni_trio.stages.torch:TorchBackend", TorchOptions, "torch"),
+            BuiltinBackend(
+                "vllm", "omni_trio.backends.vllm.backend:VllmBackend", VllmOptions, "vllm"
+            ),
+            BuiltinBackend(
+                "torch", "omni_trio.backends.torch.backend:TorchBackend", TorchOptions, "torch"
+            ),
         )
     }
 )

@@ -53,7 +53,7 @@ _MOVED_TO_STAGE = ("shutdown_timeout",)
 
 
 class ScriptedOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """Options of the ``scripted`` backend (see :mod:`omni_trio.stages.scripted`)."""
+    """Options of the ``scripted`` backend (see :mod:`omni_trio.backends.scripted`)."""
 
     outputs: Annotated[int, Meta(ge=1, description="outputs per request; the last is finished")] = 8
     latency_s: Annotated[float, Meta(ge=0, description="trio-clock seconds before each output")] = (
@@ -124,7 +124,7 @@ class TorchOptions(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class VllmOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """Options of the ``vllm`` backend (see :mod:`omni_trio.stages.vllm`)."""
+    """Options of the ``vllm`` backend (see :mod:`omni_trio.backends.vllm.backend`)."""
 
     cpu_bind: Annotated[
         str | int | list[str | int] | None,

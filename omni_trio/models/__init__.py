@@ -1,7 +1,11 @@
 """Local models for demos, tests and benchmarks (no model hub).
 
 Importing this package is light: the builders import torch/transformers only when they run.
-``tiny`` builds tiny random-weight Llama models with a trained BPE tokenizer.
+
+- :mod:`~omni_trio.models.tiny`: tiny random-weight Llama models with a trained BPE
+  tokenizer, built into a local cache;
+- :mod:`~omni_trio.models.vocoder`: a tiny seeded vocoder (talker codes to 16 kHz audio);
+- :mod:`~omni_trio.models.progress`: where the builders report their steps.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class _CausalConv1d(nn.Conv1d):
 class TinyVocoder(nn.Module):
     """Codes ``LongTensor[B, T]`` -> samples ``FloatTensor[B, T * hop_length]`` in (-1, 1).
 
-    Implements the torch backend's module protocol (see :mod:`omni_trio.stages.torch`):
+    Implements the torch backend's module protocol (see :mod:`omni_trio.backends.torch.backend`):
     ``forward``, ``sample_rate``, ``hop_length``, ``vocab_size``, ``context_codes``.
     Random weights: the audio is noise-like, which is expected.
     """

@@ -8,6 +8,14 @@ Needs the ``serve`` extra (hypercorn, starlette, prometheus-client)::
 or, listening before the stages start (``/health`` says ``starting`` meanwhile)::
 
     await serve_engine("tiny-omni.yaml", port=8000, shutdown_trigger=stop.wait)
+
+Its modules: ``serve`` (``serve_http``, ``serve_engine``) and ``connections`` (Hypercorn on
+sockets bound beforehand, every connection held so shutdown takes bounded time); ``app``
+(the OpenAI-compatible app of one engine) with ``protocol`` (requests: validation, sampling
+params), ``bodies`` (the wire format of responses), ``responses`` (responses that run engine
+work), ``chat_audio`` (chat completions with audio), ``guard`` (the middleware in front of
+every endpoint), ``asgi`` (plumbing they share); ``lifecycle`` (where the server is in its
+life); ``metrics`` (Prometheus).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ __all__ = ["RAY_BACKEND", "BackendFactory", "create_backend", "resolve_factory"]
 BackendFactory = Callable[..., StageBackend]
 
 #: the backend a stage placed on Ray gets (it builds the stage's own backend in an actor)
-RAY_BACKEND = "omni_trio.stages.ray:RayBackend"
+RAY_BACKEND = "omni_trio.backends.ray.backend:RayBackend"
 
 
 def resolve_factory(path: str, *, where: str, source: str | None = None) -> BackendFactory:

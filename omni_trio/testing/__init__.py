@@ -31,11 +31,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from ..backends.scripted import ScriptedBackend, scripted_tokens
 from ..config.loading import load_config
 from ..config.pipeline import PipelineConfig
 from ..engine.engine import Engine
 from ..stages.backend import StageBackend
-from ..stages.scripted import ScriptedBackend, scripted_tokens
 from ._checks import (
     assert_nothing_in_flight,
     in_flight_problems,

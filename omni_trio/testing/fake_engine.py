@@ -41,13 +41,13 @@ import outcome
 import trio
 from msgspec import Meta
 
+from ..backends.scripted import input_tokens
 from ..config.options import parse_options
 from ..config.stage import StageConfig
 from ..outputs import StageOutput
 from ..stages.backend import StageBackend
 from ..stages.emit import Emit, EmitNowait, nowait_of
 from ..stages.input_stream import InputStream
-from ..stages.scripted import input_tokens
 
 __all__ = [
     "FakeEngine",

@@ -1,4 +1,14 @@
-"""How items cross boundaries: threads (the bridge), processes, codecs."""
+"""How items cross boundaries: threads, loops and processes. It knows no stage, request or
+config.
+
+- :mod:`~omni_trio.transport.bridge`: a bounded, event-driven, one-way channel between two
+  loops in two threads (it replaces janus); ``_bridge_core`` is its shared state;
+- :mod:`~omni_trio.transport.queue`: ``OutputQueue``, one request's outputs on their way to
+  its consumer;
+- :mod:`~omni_trio.transport.loop_host`: ``LoopHost``, an asyncio (or trio-asyncio) loop
+  hosted in a thread of its own;
+- :mod:`~omni_trio.transport.codec`: the wire format of replicas in other processes.
+"""
 
 from ._bridge_core import BridgeStatistics
 from .bridge import BridgeReceiver, BridgeSender, open_bridge

@@ -89,7 +89,7 @@ def user_modules(tmp_path, monkeypatch):
         textwrap.dedent(
             """
             import msgspec
-            from omni_trio.stages.scripted import ScriptedBackend
+            from omni_trio.backends.scripted import ScriptedBackend
 
             class MyOptions(msgspec.Struct, forbid_unknown_fields=True):
                 greeting: str = "hi"
@@ -146,7 +146,7 @@ def test_user_backend_options_checked_at_load(user_modules):
 
 def test_user_backend_without_options_struct_is_passed_through():
     cfg = load_config(
-        one_stage(backend="omni_trio.stages.scripted:ScriptedBackend", options={"outputs": 2})
+        one_stage(backend="omni_trio.backends.scripted:ScriptedBackend", options={"outputs": 2})
     )
     assert cfg.stages[0].options == {"outputs": 2}
 

@@ -9,9 +9,9 @@ import trio.testing
 
 import omni_trio
 from omni_trio import InvalidRequestError, StageError, open_engine
+from omni_trio.backends.scripted import ScriptedBackend
 from omni_trio.request.companions import Companion
 from omni_trio.stages.processors import token_handoff
-from omni_trio.stages.scripted import ScriptedBackend
 from omni_trio.testing import (
     assert_nothing_in_flight,
     cancel_at_every_checkpoint,

@@ -119,7 +119,7 @@ async def test_a_backend_without_the_hook_refuses_naming_the_stage(autojump_cloc
     mod = user_module(
         """
         from omni_trio.stages.backend import StageBackend
-        from omni_trio.stages.scripted import ScriptedBackend
+        from omni_trio.backends.scripted import ScriptedBackend
 
         class NoInteractions(ScriptedBackend):
             backend_name = "no-interactions"

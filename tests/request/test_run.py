@@ -69,8 +69,8 @@ import trio
 from omni_trio import StageBackend, StageOutput
 from omni_trio.stages import collect_input
 from omni_trio.stages.emit import Emitter, nowait_of
-from omni_trio.stages._vllm_outputs import RequestInbox
-from omni_trio.stages._vllm_protocol import Flow
+from omni_trio.backends.vllm.outputs import RequestInbox
+from omni_trio.backends.vllm.protocol import Flow
 
 STEPS = 12
 
@@ -180,7 +180,7 @@ async def test_fast_path_abort_mid_stream_returns_what_was_delivered(autojump_cl
 
 
 TEXT_READ = """
-from omni_trio.stages.scripted import ScriptedBackend
+from omni_trio.backends.scripted import ScriptedBackend
 
 
 class TextRead(ScriptedBackend):

@@ -8,12 +8,12 @@ import trio.lowlevel
 import trio.testing
 
 from omni_trio import ReplicaDeadError, StageError, StageRPCError, StageStopError, load_config
+from omni_trio.backends.scripted import ScriptedBackend
 from omni_trio.outputs import StageInput, StageOutput
 from omni_trio.stages import StageAborted
 from omni_trio.stages._running import request_outcome
 from omni_trio.stages.backend import StageBackend
 from omni_trio.stages.replica import death_reason
-from omni_trio.stages.scripted import ScriptedBackend
 
 
 def stage(**options):

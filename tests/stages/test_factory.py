@@ -10,19 +10,19 @@ import pytest
 
 import omni_trio
 from omni_trio import ConfigError, StageBackend, load_config
+from omni_trio.backends.scripted import ScriptedBackend
 from omni_trio.cli.main import main
 from omni_trio.config import StageConfig
 from omni_trio.config.backends import check_factory
 from omni_trio.stages import create_backend
-from omni_trio.stages.scripted import ScriptedBackend
 
 FACTORIES = """
     import functools
     from typing import TYPE_CHECKING
     from omni_trio import StageBackend
-    from omni_trio.stages.scripted import ScriptedBackend
+    from omni_trio.backends.scripted import ScriptedBackend
     if TYPE_CHECKING:
-        from omni_trio.stages.scripted import ScriptedBackend as Hidden
+        from omni_trio.backends.scripted import ScriptedBackend as Hidden
 
     def build(config, *, stage_index, replica=0) -> ScriptedBackend:
         return ScriptedBackend(config, stage_index=stage_index, replica=replica)

@@ -19,8 +19,8 @@ from omni_trio import (
     StageStopError,
     open_engine,
 )
+from omni_trio.backends.scripted import ScriptedBackend
 from omni_trio.stages.pool import StagePool, join_failure
-from omni_trio.stages.scripted import ScriptedBackend
 from omni_trio.testing import assert_nothing_in_flight, cancel_at_every_checkpoint
 
 from .test_binding import pipeline, run, stage

@@ -11,12 +11,12 @@ from omni_trio import (
     StageStartError,
     load_config,
 )
+from omni_trio.backends.scripted import ScriptedBackend
 from omni_trio.failures import describe_failures
 from omni_trio.outputs import StageInput
 from omni_trio.stages import StageAborted
 from omni_trio.stages.factory import create_backend
 from omni_trio.stages.pool import StagePool
-from omni_trio.stages.scripted import ScriptedBackend
 
 
 def cfg(**stage):
@@ -26,13 +26,13 @@ def cfg(**stage):
 def test_create_backend_by_name_and_dotted_path():
     c = cfg()
     assert isinstance(create_backend(c.stages[0], stage_index=0, replica=0), ScriptedBackend)
-    c = cfg(backend="omni_trio.stages.scripted:ScriptedBackend")
+    c = cfg(backend="omni_trio.backends.scripted:ScriptedBackend")
     assert isinstance(create_backend(c.stages[0], stage_index=0, replica=1), ScriptedBackend)
     with pytest.raises(ConfigError, match="cannot import backend module 'nope_mod'"):
         create_backend(cfg(backend="nope_mod:X").stages[0], stage_index=0, replica=0)
     with pytest.raises(ConfigError, match="has no 'Nope'"):
         create_backend(
-            cfg(backend="omni_trio.stages.scripted:Nope").stages[0], stage_index=0, replica=0
+            cfg(backend="omni_trio.backends.scripted:Nope").stages[0], stage_index=0, replica=0
         )
     with pytest.raises(ConfigError, match="'builtins:dict' names the class builtins.dict"):
         create_backend(cfg(backend="builtins:dict").stages[0], stage_index=0, replica=0)

@@ -7,8 +7,8 @@ import pytest
 import trio
 
 from omni_trio import ReplicaDeadError, StageStartError, StageStopError
+from omni_trio.backends.scripted import ScriptedBackend
 from omni_trio.stages.pool import StagePool
-from omni_trio.stages.scripted import ScriptedBackend
 
 from .test_pool import cfg, run_on, with_replicas
 

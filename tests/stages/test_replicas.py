@@ -15,9 +15,9 @@ from omni_trio import (
     load_config,
     open_engine,
 )
+from omni_trio.backends.scripted import ScriptedBackend
 from omni_trio.stages.pool import StagePool
 from omni_trio.stages.replicas import restart_delay
-from omni_trio.stages.scripted import ScriptedBackend
 from omni_trio.testing import (
     assert_nothing_in_flight,
     cancel_at_every_checkpoint,
