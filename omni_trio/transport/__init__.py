@@ -5,8 +5,9 @@ config.
   loops in two threads (it replaces janus); ``_bridge_core`` is its shared state;
 - :mod:`~omni_trio.transport.queue`: ``OutputQueue``, one request's outputs on their way to
   its consumer;
-- :mod:`~omni_trio.transport.loop_host`: ``LoopHost``, an asyncio (or trio-asyncio) loop
-  hosted in a thread of its own;
+- :mod:`~omni_trio.transport.loop_host`: the one way a loop is hosted in a thread of its
+  own: ``LoopHost`` (asyncio or trio-asyncio), ``open_trio_portal`` (trio), and the orderly
+  stop at the interpreter's exit of what an owner left running;
 - :mod:`~omni_trio.transport.codec`: the wire format of replicas in other processes.
 """
 

@@ -1,11 +1,23 @@
-"""One asyncio-compatible event loop hosted in the calling thread: :class:`LoopHost`.
+"""The one way this package hosts an event loop in a thread: :class:`LoopHost` for an
+asyncio-compatible loop, :func:`open_trio_portal` for a trio loop, and
+:func:`stop_before_exit`, which stops either at the interpreter's exit.
 
 A host runs one coroutine function (the hosted worker's main) on a loop of a given kind, in
 the thread that calls :meth:`LoopHost.run`, until it returns. Other threads reach the loop
-with :meth:`LoopHost.call_soon_threadsafe`, which works from the moment the host exists
-(calls made before the loop runs are queued and run first) and answers ``False`` once the
-worker has ended. The stop is orderly: :meth:`LoopHost.stop` only tells the worker, which
-waits for it with :meth:`LoopHost.wait_for_stop` and ends by returning.
+with :meth:`LoopHost.call_soon_threadsafe` and :meth:`LoopHost.submit`, which work from the
+moment the host exists (calls made before the loop runs are queued and run first) and refuse
+once the worker has ended. The stop is orderly: :meth:`LoopHost.stop` only tells the worker,
+which waits for it with :meth:`LoopHost.wait_for_stop` and ends by returning. The owner makes
+the thread (what it does there before and after the loop is its own: a Ray connection, a
+vLLM engine's build).
+
+A trio loop is hosted by :func:`open_trio_portal`: a thread of its own and anyio's
+``BlockingPortal`` into it (anyio's ``start_blocking_portal`` does the same on a daemon
+thread).
+
+No hosting thread is a daemon: each ends by an orderly stop, so the interpreter's exit waits
+for it. One whose owner never stopped it is stopped by :func:`stop_before_exit`, which runs
+before that wait (an ``atexit`` hook runs after it, too late).
 
 Loop kinds (:data:`LOOP_KINDS`):
 
@@ -32,13 +44,30 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import itertools
+import logging
 import threading
-from collections.abc import Callable, Coroutine
-from typing import Any, Final, Literal, get_args
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, Final, Literal, TypeVar, get_args
+
+from anyio.from_thread import BlockingPortal
 
 from ..errors import BackendUnavailableError
 
-__all__ = ["LOOP_KINDS", "TRIO_ASYNCIO_EXTRA", "LoopHost", "LoopKind", "require_loop"]
+__all__ = [
+    "LOOP_KINDS",
+    "TRIO_ASYNCIO_EXTRA",
+    "LoopHost",
+    "LoopKind",
+    "open_trio_portal",
+    "require_loop",
+    "stop_before_exit",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 LoopKind = Literal["asyncio", "trio-asyncio"]
 LOOP_KINDS: Final[tuple[LoopKind, ...]] = get_args(LoopKind)
@@ -183,6 +212,45 @@ class LoopHost:
             self._loop.call_soon_threadsafe(callback, *args)
             return True
 
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` as a task on the loop (before the loop runs, as soon as it does); its
+        outcome in the returned future. Cancelling the future cancels the task; a task still
+        running when the worker ends is cancelled (the loop's close), and so is its future.
+        Thread-safe, never blocks. Raises ``RuntimeError`` (and closes ``coro``) once the
+        worker has ended."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if not self.call_soon_threadsafe(self._start_task, coro, future):
+            coro.close()
+            raise RuntimeError(f"loop host {self.name!r} has ended: it runs nothing more")
+        return future
+
+    def _start_task(
+        self, coro: Coroutine[Any, Any, T], future: concurrent.futures.Future[T]
+    ) -> None:
+        # on the loop. The future stays pending until the task is done, so that the caller
+        # can still cancel it (a running concurrent future cannot be cancelled)
+        if future.cancelled():
+            coro.close()
+            return
+        task = asyncio.ensure_future(coro)
+
+        def cancel_task(done: concurrent.futures.Future[T]) -> None:
+            if done.cancelled():
+                self.call_soon_threadsafe(task.cancel)
+
+        def settle(done: asyncio.Future[T]) -> None:
+            if done.cancelled():
+                future.cancel()
+            elif future.set_running_or_notify_cancel():
+                error = done.exception()
+                if error is None:
+                    future.set_result(done.result())
+                else:
+                    future.set_exception(error)
+
+        task.add_done_callback(settle)
+        future.add_done_callback(cancel_task)
+
     def stop(self) -> None:
         """Tell the worker to stop: :meth:`wait_for_stop` returns and :attr:`stop_requested`
         is true. The worker decides how it ends. Thread-safe, idempotent, never blocks."""
@@ -204,6 +272,110 @@ class LoopHost:
     def __repr__(self) -> str:
         stop = " stop_requested" if self.stop_requested else ""
         return f"<LoopHost {self.name!r} {self.kind} {self._state}{stop}>"
+
+
+_exit_lock = threading.Lock()
+_exit_stops: dict[int, tuple[str, Callable[[], None]]] = {}
+_exit_keys = itertools.count()
+_exit_hooked = False
+
+
+def stop_before_exit(stop: Callable[[], None], *, name: str) -> Callable[[], None]:
+    """Have ``stop()`` called when the interpreter begins to exit, before it waits for the
+    process's non-daemon threads; returns the function that withdraws it (idempotent: call
+    it once the thing stopped otherwise). Thread-safe, never blocks.
+
+    A thread that hosts a loop is not a daemon, so the exit waits for it: one whose owner
+    never stopped it would hang the exit. ``atexit`` hooks run after that wait, too late;
+    these run before it (``threading._register_atexit``, as ``concurrent.futures`` stops its
+    own workers), newest first, each in turn. A stop that raises is logged, as there is no
+    caller left to raise to, and the others still run. Raises ``RuntimeError`` once the
+    exit has begun (no new thread may start then either).
+    """
+    global _exit_hooked
+    key = next(_exit_keys)
+    with _exit_lock:
+        if not _exit_hooked:
+            # not in typeshed: the hook concurrent.futures' workers and anyio's selector
+            # thread stop by
+            threading._register_atexit(_stop_all_before_exit)  # type: ignore[attr-defined]
+            _exit_hooked = True
+        _exit_stops[key] = (name, stop)
+
+    def withdraw() -> None:
+        with _exit_lock:
+            _exit_stops.pop(key, None)
+
+    return withdraw
+
+
+def _stop_all_before_exit() -> None:
+    while True:
+        with _exit_lock:
+            if not _exit_stops:
+                return
+            name, stop = _exit_stops.pop(max(_exit_stops))
+        try:
+            stop()
+        except BaseException:
+            logger.exception("stopping %s at the interpreter's exit failed", name)
+
+
+@contextlib.contextmanager
+def open_trio_portal(*, name: str) -> Iterator[BlockingPortal]:
+    """Run a trio loop in a thread of its own named ``name`` (not a daemon) and yield anyio's
+    ``BlockingPortal`` into it: other threads run calls and tasks there through it.
+
+    Blocking: enters once the loop runs, raising what failed its start. Leaving the block
+    stops the portal, waiting for the tasks still running there (cancelling them when the
+    block raised), and joins the thread; it then raises what failed the loop, if anything
+    did. A portal still open when the interpreter exits is stopped then, its tasks cancelled
+    (:func:`stop_before_exit`).
+    """
+    import anyio
+
+    ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
+    failed: list[BaseException] = []
+
+    async def serve() -> None:
+        async with BlockingPortal() as portal:
+            ready.set_result(portal)
+            await portal.sleep_until_stopped()
+
+    def run() -> None:
+        try:
+            anyio.run(serve, backend="trio")
+        except BaseException as exc:
+            if ready.done():
+                failed.append(exc)
+            else:
+                ready.set_exception(exc)
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    try:
+        portal = ready.result()
+    except BaseException:
+        thread.join()
+        raise
+
+    def stop(cancel_remaining: bool) -> None:
+        with contextlib.suppress(RuntimeError):  # already stopped: the portal is not running
+            portal.call(portal.stop, cancel_remaining)
+        thread.join()
+
+    withdraw = stop_before_exit(lambda: stop(True), name=f"the trio loop {name!r}")
+    cancel_remaining = False
+    try:
+        yield portal
+    except BaseException:
+        cancel_remaining = True
+        raise
+    finally:
+        withdraw()
+        stop(cancel_remaining)
+        if failed:
+            raise failed[0]
 
 
 def _even_out(loop: asyncio.AbstractEventLoop, trio_executor: type[Any]) -> None:

@@ -261,3 +261,167 @@ def test_the_config_offers_exactly_the_loop_kinds_the_host_runs() -> None:
     from omni_trio.config.options import VllmLoop
 
     assert typing.get_args(VllmLoop) == LOOP_KINDS
+
+
+# -- submit: a coroutine's outcome in a future --------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", LOOP_KINDS)
+def test_submit_runs_coroutines_before_and_during_the_worker_and_refuses_after(
+    kind: LoopKind,
+) -> None:
+    forever = threading.Event()  # set once the never-ending task runs
+    cancelled: list[str] = []
+
+    async def answer(value: int) -> int:
+        await asyncio.sleep(0)
+        return value
+
+    async def fail() -> None:
+        raise KeyError("on the loop")
+
+    async def never(tag: str) -> None:
+        forever.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(tag)
+            raise
+
+    async def main() -> None:
+        await hosted.host.wait_for_stop()
+
+    hosted = Hosted(kind, main, start=False)
+    early = hosted.host.submit(answer(1))  # queued until the loop runs
+    hosted.thread.start()
+    assert wait(early) == 1
+    assert wait(hosted.host.submit(answer(2))) == 2
+    with pytest.raises(KeyError, match="on the loop"):
+        wait(hosted.host.submit(fail()))
+    # the caller cancels: the task is cancelled on the loop
+    dropped = hosted.host.submit(never("dropped"))
+    wait(forever)
+    assert dropped.cancel()
+    forever.clear()
+    # still running when the worker ends: cancelled by the loop's close, and its future too
+    left = hosted.host.submit(never("left"))
+    wait(forever)
+    hosted.host.stop()
+    assert hosted.join() is None
+    assert left.cancelled() and sorted(cancelled) == ["dropped", "left"]
+    late = answer(3)
+    with pytest.raises(RuntimeError, match="has ended"):
+        hosted.host.submit(late)
+    assert late.cr_frame is None  # closed, never run: no "never awaited" warning
+
+
+# -- a trio loop in a thread of its own --------------------------------------------------------
+
+
+def test_a_trio_portal_runs_calls_in_its_own_thread_and_leaving_waits_for_its_tasks() -> None:
+    import trio
+
+    from omni_trio.transport.loop_host import open_trio_portal
+
+    finished: list[str] = []
+
+    async def where() -> tuple[str, bool]:
+        await trio.lowlevel.checkpoint()
+        thread = threading.current_thread()
+        return thread.name, thread.daemon
+
+    async def slow() -> None:
+        await trio.sleep(0.01)
+        finished.append("slow")
+
+    with open_trio_portal(name="test-trio-portal") as portal:
+        assert portal.call(where) == ("test-trio-portal", False)
+        portal.start_task_soon(slow)
+    # leaving waited for the task, and joined the thread
+    assert finished == ["slow"]
+    assert "test-trio-portal" not in [t.name for t in threading.enumerate()]
+
+
+def test_leaving_a_trio_portal_by_an_error_cancels_its_tasks() -> None:
+    import trio
+
+    from omni_trio.transport.loop_host import open_trio_portal
+
+    seen: list[str] = []
+
+    async def forever() -> None:
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            seen.append("cancelled")
+            raise
+
+    with pytest.raises(OSError, match="the caller broke"):
+        with open_trio_portal(name="test-trio-portal") as portal:
+            future = portal.start_task_soon(forever)
+            raise OSError("the caller broke")
+    assert seen == ["cancelled"] and future.cancelled()
+    assert "test-trio-portal" not in [t.name for t in threading.enumerate()]
+
+
+# -- the interpreter's exit stops what its owner left running -----------------------------------
+
+_LEFT_RUNNING = """
+import logging, sys, threading
+logging.basicConfig(stream=sys.stdout, format="%(message)s")
+from omni_trio.transport.loop_host import LoopHost, open_trio_portal, stop_before_exit
+
+# an asyncio loop in a non-daemon thread whose owner never stops it
+host = LoopHost("asyncio", name="left")
+threading.Thread(target=host.run, args=(host.wait_for_stop,), name="left-loop").start()
+stop_before_exit(lambda: (host.stop(), print("stopped the asyncio loop", flush=True)), name="a")
+
+def broken():
+    raise OSError("this stop broke")
+
+stop_before_exit(broken, name="the broken one")
+withdraw = stop_before_exit(lambda: print("withdrawn, never called"), name="b")
+withdraw()
+withdraw()
+
+# a trio portal entered and never left, with a task that runs until it is cancelled
+import trio
+
+async def forever():
+    try:
+        await trio.sleep_forever()
+    finally:
+        print("the trio task was cancelled", flush=True)
+
+left = open_trio_portal(name="left-trio")  # held: a collected one would be left, so stopped
+portal = left.__enter__()
+portal.start_task_soon(forever)
+print("main ends", flush=True)
+"""
+
+
+def test_the_interpreters_exit_stops_hosted_loops_their_owners_left_running() -> None:
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    # a hang guard: without the stops, the exit would wait for the two threads forever
+    done = subprocess.run(
+        [sys.executable, "-c", _LEFT_RUNNING],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=GUARD_S,
+    )
+    assert done.returncode == 0, done.stderr
+    # newest first; the broken stop is logged and the one before it still runs
+    assert done.stdout.splitlines()[:2] == ["main ends", "the trio task was cancelled"]
+    assert "stopping the broken one at the interpreter's exit failed" in done.stdout
+    assert "OSError: this stop broke" in done.stdout
+    assert done.stdout.splitlines()[-1] == "stopped the asyncio loop"
+    assert "withdrawn" not in done.stdout
