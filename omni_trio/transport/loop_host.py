@@ -288,8 +288,10 @@ def stop_before_exit(stop: Callable[[], None], *, name: str) -> Callable[[], Non
     A thread that hosts a loop is not a daemon, so the exit waits for it: one whose owner
     never stopped it would hang the exit. ``atexit`` hooks run after that wait, too late;
     these run before it (``threading._register_atexit``, as ``concurrent.futures`` stops its
-    own workers), newest first, each in turn. A stop that raises is logged, as there is no
-    caller left to raise to, and the others still run. Raises ``RuntimeError`` once the
+    own workers), each in turn, oldest first: what a host runs may hold a host made later
+    (an engine in a trio portal holds the Ray link), and stopping the older one first lets
+    it release what it holds in order. A stop that raises is logged, as there is no caller
+    left to raise to, and the others still run. Raises ``RuntimeError`` once the
     exit has begun (no new thread may start then either).
     """
     global _exit_hooked
@@ -314,7 +316,7 @@ def _stop_all_before_exit() -> None:
         with _exit_lock:
             if not _exit_stops:
                 return
-            name, stop = _exit_stops.pop(max(_exit_stops))
+            name, stop = _exit_stops.pop(min(_exit_stops))
         try:
             stop()
         except BaseException:

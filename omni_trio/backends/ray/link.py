@@ -2,10 +2,20 @@
 
 Ray's client API is asyncio-native (an ``ObjectRef`` and a streaming ``ObjectRefGenerator``
 are awaitable there) or blocking. Rather than a thread per pending call, every Ray call of
-this process is awaited on one asyncio loop in one daemon thread (:class:`RayLink`); the trio
-side waits for the result on an event set through ``TrioToken.run_sync_soon``
-(:func:`wait_future`), so a thousand requests in flight cost a thousand asyncio tasks, not a
-thousand threads. Output streams come back batched and bounded (:class:`RemoteStream`).
+this process is awaited on one asyncio loop (a ``transport.loop_host.LoopHost``) in the link's
+own thread (:class:`RayLink`); the trio side waits for the result on an event set through
+``TrioToken.run_sync_soon`` (:func:`wait_future`), so a thousand requests in flight cost a
+thousand asyncio tasks, not a thousand threads. Output streams come back batched and bounded
+(:class:`RemoteStream`).
+
+The link's thread connects, hosts the loop and disconnects: it must be the thread that starts
+a local Ray, and live as long as that Ray should. Ray starts its GCS and raylet with
+``PR_SET_PDEATHSIG``, which Linux fires when the *thread* that forked them exits, so a Ray
+started from a short-lived thread (trio's worker threads exit after 10 s idle) is killed under
+the engine while it runs. The thread is not a daemon: it ends when the last user releases the
+link, or, for a link still held when the interpreter exits, by an orderly disconnect before
+the interpreter waits for its threads (``loop_host.stop_before_exit``): the calls still
+pending are cancelled and a local Ray is shut down.
 
 The connection is shared and counted: the first replica that needs Ray connects (``address``:
 an existing cluster; ``None``: a local Ray started for this process, with this machine's CPUs)
@@ -37,6 +47,7 @@ from typing import Any, TypeVar
 import trio
 
 from ...errors import BackendUnavailableError, ConfigError, StageStartError
+from ...transport.loop_host import LoopHost, stop_before_exit
 
 __all__ = ["RayLink", "RemoteStream", "wait_future"]
 
@@ -44,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: the link's thread, which hosts its loop (and started a local Ray)
+THREAD_NAME = "omni-trio-ray-link"
 # ray.shutdown of a local Ray takes ~1-2 s; a link that has not disconnected by then is stuck
 SHUTDOWN_TIMEOUT_S = 60.0
 #: seconds a cluster's address may take to accept a TCP connection (a host that drops it),
@@ -85,10 +98,12 @@ class RayLink:
         self.address = address
         self.users = 0
         self.started_ray = False
-        self.loop = asyncio.new_event_loop()
+        #: the loop where Ray calls are awaited
+        self.host = LoopHost("asyncio", name=THREAD_NAME)
         self._connected: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._disconnected: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._own, name="omni-trio-ray-link", daemon=True)
+        self._thread = threading.Thread(target=self._own, name=THREAD_NAME)
+        self._withdraw_exit_stop: Callable[[], None] = lambda: None
 
     # -- ownership (blocking: call from a worker thread) -------------------------------------
     @classmethod
@@ -130,14 +145,11 @@ class RayLink:
         except BaseException:
             self._thread.join()  # it ends right after a failed ray.init: none is left
             raise
+        self._withdraw_exit_stop = stop_before_exit(self._stop_at_exit, name=repr(self))
 
     def _own(self) -> None:
-        # The link thread connects, runs the loop and disconnects. It must be the thread
-        # that starts a local Ray: Ray starts its GCS and raylet with PR_SET_PDEATHSIG, which
-        # Linux fires when the *thread* that forked them exits, so a Ray started from a
-        # short-lived thread (trio's worker threads exit after 10 s idle) is killed under
-        # the engine while it runs. This thread lives exactly as long as the connection.
-        asyncio.set_event_loop(self.loop)
+        # The link's thread: it connects, hosts the loop and disconnects, so that a local Ray
+        # lives exactly as long as it (the module docstring)
         ray = self.ray
         try:
             if not ray.is_initialized():
@@ -156,16 +168,9 @@ class RayLink:
             return
         self._connected.set_result(None)
         try:
-            self.loop.run_forever()
-            # calls still waiting (on a killed, hung actor) end here, not as "Task was
-            # destroyed but it is pending" at interpreter exit. Each task's outcome, an
-            # error included, has gone to its caller's future (run_coroutine_threadsafe):
-            # the gather only waits, it drops nothing
-            pending = asyncio.all_tasks(self.loop)
-            for task in pending:
-                task.cancel()
-            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            self.loop.close()
+            # until release() stops it; calls still waiting then (on a killed, hung actor)
+            # are cancelled as the loop closes, and their callers' futures with them
+            self.host.run(self.host.wait_for_stop)
             if self.started_ray:
                 ray.shutdown()
         except BaseException as exc:
@@ -175,8 +180,7 @@ class RayLink:
 
     def _undo_failed_init(self, exc: BaseException) -> BaseException:
         # a local Ray whose init failed half-way may have started processes: ray.shutdown
-        # stops them (a no-op when nothing started); the loop never ran, its selector closes
-        self.loop.close()
+        # stops them (a no-op when nothing started); the loop never ran
         try:
             self.ray.shutdown()
         except BaseException as stop_exc:
@@ -191,14 +195,28 @@ class RayLink:
             if self.users > 0:
                 return
             RayLink._current = None
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._withdraw_exit_stop()
+        self._disconnect()
+
+    def _disconnect(self) -> None:
+        self.host.stop()
         self._disconnected.result(timeout=SHUTDOWN_TIMEOUT_S)
         self._thread.join(timeout=SHUTDOWN_TIMEOUT_S)
 
+    def _stop_at_exit(self) -> None:
+        # the interpreter exits with the link still held (an engine never closed): its
+        # users are gone with the program, so disconnect now, before the interpreter waits
+        # for the link's thread
+        with RayLink._lock:
+            if RayLink._current is self:
+                RayLink._current = None
+        self._disconnect()
+
     # -- calls -----------------------------------------------------------------------------
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Run ``coro`` on the link's loop. Thread-safe, never blocks."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        """Run ``coro`` on the link's loop. Thread-safe, never blocks. Raises
+        ``RuntimeError`` once the link has disconnected."""
+        return self.host.submit(coro)
 
     async def call(self, ref: Any) -> Any:
         """Await one ObjectRef from trio. Checkpoints; cancelled, it stops waiting (the remote
@@ -206,8 +224,9 @@ class RayLink:
         return await wait_future(self.submit(_awaited(ref)))
 
     def cancel(self, ref: Any) -> None:
-        """``ray.cancel`` a call or stream, on the link's loop. Thread-safe, never blocks."""
-        self.loop.call_soon_threadsafe(self._cancel, ref)
+        """``ray.cancel`` a call or stream, on the link's loop (nothing once the link has
+        disconnected). Thread-safe, never blocks."""
+        self.host.call_soon_threadsafe(self._cancel, ref)
 
     def _cancel(self, ref: Any) -> None:
         try:
@@ -351,7 +370,7 @@ class RemoteStream:
                 continue
             await self._ready.wait()
         item = self._items.popleft()
-        self._link.loop.call_soon_threadsafe(self._room.set)
+        self._link.host.call_soon_threadsafe(self._room.set)
         await trio.lowlevel.checkpoint()
         return self._decode(item)
 

@@ -431,6 +431,9 @@ async def test_a_local_ray_outlives_the_thread_that_connected():
     caller.start()
     caller.join()
     (link,) = links
+    # the link's own thread, which started Ray, is not a daemon (it ends by release())
+    (owner,) = [t for t in threading.enumerate() if t.name == ray_link.THREAD_NAME]
+    assert not owner.daemon
     try:
         procs = ray_processes()
         assert any("gcs_server" in " ".join(p.cmdline()) for p in procs)
@@ -441,6 +444,45 @@ async def test_a_local_ray_outlives_the_thread_that_connected():
         assert value == 41
     finally:
         await trio.to_thread.run_sync(link.release)
+    assert await no_ray_left() == []
+
+
+_HELD_AT_EXIT = """
+import atexit, threading
+import ray
+from omni_trio.backends.ray.link import THREAD_NAME, RayLink
+
+def after_threads_joined():  # atexit runs once the interpreter joined its threads
+    alive = [t.name for t in threading.enumerate() if t.name == THREAD_NAME]
+    print("after exit:", ray.is_initialized(), RayLink._current, alive, flush=True)
+
+async def get(ref):
+    return await ref
+
+atexit.register(after_threads_joined)
+link = RayLink.acquire(None, stage_id="b")
+print("value", link.submit(get(ray.put(41))).result(60), flush=True)
+"""
+
+
+async def test_a_link_held_when_the_interpreter_exits_disconnects_in_order():
+    # an owner that never released the link (an engine never closed): the interpreter's
+    # exit disconnects it (the local Ray shut down) before joining the link's thread,
+    # which is not a daemon and would otherwise hang the exit
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = partial(
+        subprocess.run,
+        [sys.executable, "-c", _HELD_AT_EXIT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,  # a hang guard: the exit waiting for the link's thread
+    )
+    done = await trio.to_thread.run_sync(run)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["value 41", "after exit: False None []"]
     assert await no_ray_left() == []
 
 
