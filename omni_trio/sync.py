@@ -1,5 +1,5 @@
 """A blocking facade for callers that are not async: the same engine, run in a trio loop in a
-worker thread through an anyio blocking portal.
+thread of its own through an anyio blocking portal (``transport.loop_host.open_trio_portal``).
 
     with omni_trio.sync.open_engine(config) as engine:
         for out in engine.generate("Hello"):
@@ -19,13 +19,14 @@ from types import TracebackType
 from typing import Any
 
 import trio
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+from anyio.from_thread import BlockingPortal
 
 from .config.pipeline import PipelineConfig
 from .engine.engine import Engine
 from .engine.engine import open_engine as _open_engine
 from .engine.health import HealthReport
 from .outputs import EngineStatistics, OmniOutput
+from .transport.loop_host import open_trio_portal
 
 __all__ = ["SyncEngine", "open_engine"]
 
@@ -118,7 +119,7 @@ class _SyncSession(AbstractContextManager["SyncEngine"]):
 
     def __enter__(self) -> SyncEngine:
         with ExitStack() as stack:
-            portal = stack.enter_context(start_blocking_portal(backend="trio"))
+            portal = stack.enter_context(open_trio_portal(name="omni-trio-sync"))
             engine = portal.call(lambda: _open_engine(self._config, **self._overrides))
             stack.enter_context(portal.wrap_async_context_manager(engine))
             self._stack = stack.pop_all()
@@ -136,7 +137,8 @@ class _SyncSession(AbstractContextManager["SyncEngine"]):
 def open_engine(
     config: PipelineConfig | Mapping[str, Any] | str | os.PathLike[str], **overrides: Any
 ) -> AbstractContextManager[SyncEngine]:
-    """``with open_engine(cfg) as engine:`` - start the pipeline in a worker thread's trio
-    loop; leaving the block closes it there (aborting requests, stopping stages) and joins
-    the thread. Raises ConfigError / StageStartError like the async ``open_engine``."""
+    """``with open_engine(cfg) as engine:`` - start the pipeline on a trio loop in a thread
+    of its own; leaving the block closes it there (aborting requests, stopping stages) and
+    joins the thread, as the interpreter's exit does for an engine never closed. Raises
+    ConfigError / StageStartError like the async ``open_engine``."""
     return _SyncSession(config, overrides)

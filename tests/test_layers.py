@@ -53,7 +53,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "testing": frozenset(
         {FLOOR0, "config", "transport", "stages", "request", "engine", "backends.scripted"}
     ),
-    "sync": frozenset({FLOOR0, "config", "engine"}),
+    "sync": frozenset({FLOOR0, "config", "transport", "engine"}),
     "cli": frozenset(
         {
             "top",

@@ -57,3 +57,19 @@ def test_sync_interact_stops_a_request():
         assert rest[-1].finished and rest[-1].finish_reason == "stop"
         assert len(rest) < 999
         assert not engine.interact("r", {"stop": True})  # ended
+
+
+def test_the_engine_runs_on_a_thread_of_its_own_that_closing_joins():
+    # not a daemon: it ends by the engine's close (or, never closed, at the interpreter's
+    # exit: tests/transport/test_loop_host.py shows that stop)
+    import threading
+
+    def engine_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "omni-trio-sync"]
+
+    cfg = scripted_pipeline(["a"], outputs=1)
+    with omni_trio.sync.open_engine(cfg) as engine:
+        (thread,) = engine_threads()
+        assert not thread.daemon
+        assert engine.statistics().requests_in_flight == 0
+    assert not thread.is_alive() and engine_threads() == []

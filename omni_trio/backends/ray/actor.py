@@ -2,8 +2,9 @@
 
 :class:`ReplicaActor` is a Ray *async* actor (its methods run on the actor's asyncio loop, so
 ``ray.cancel`` reaches a running call as ``asyncio.CancelledError``). The stage's own backend
-(scripted, vllm, torch, a user's) runs inside it on a trio loop in a thread of the actor, held
-by an anyio ``BlockingPortal``; :class:`ReplicaHost` is that trio side. Calls cross from the
+(scripted, vllm, torch, a user's) runs inside it on a trio loop in a thread of the actor
+(``transport.loop_host.open_trio_portal``: anyio's ``BlockingPortal`` into it);
+:class:`ReplicaHost` is that trio side. Calls cross from the
 actor's loop to the host with ``portal.start_task_soon`` (a future, awaited without blocking
 the actor's loop). Everything on the wire is the codec's bytes (``transport.codec``); a
 request's failure travels as a value (:func:`error_record`) so that its type survives.
@@ -28,6 +29,7 @@ from ...outputs import StageOutput
 from ...stages.backend import StageBackend
 from ...stages.factory import create_backend
 from ...transport import codec
+from ...transport.loop_host import open_trio_portal
 
 __all__ = [
     "BATCH",
@@ -188,13 +190,11 @@ class ReplicaActor:
     ``ray.remote(ReplicaActor)`` by the ``ray`` backend."""
 
     def __init__(self, config: bytes, stage_index: int, replica: int, shutdown_timeout: float):
-        from anyio.from_thread import start_blocking_portal
-
         stage = msgspec.json.decode(config, type=StageConfig)
         backend = create_backend(stage, stage_index=stage_index, replica=replica)
         backend.shutdown_timeout = shutdown_timeout
         self._host = ReplicaHost(backend)
-        self._portal_cm = start_blocking_portal("trio")
+        self._portal_cm = open_trio_portal(name=f"omni-trio-replica-{stage.id}-{replica}")
         self._portal = self._portal_cm.__enter__()
         self._serving: concurrent.futures.Future[None] | None = None
         # the host side of each request's run: drop() waits for it
@@ -349,7 +349,8 @@ class ReplicaActor:
     def close(self) -> None:
         """End the trio thread that hosts the replica (its portal); it waits for what still
         runs there, nothing once :meth:`stop` returned. Blocking. Ray ends an actor by
-        ending its process, so only a host outside Ray (a test) calls this."""
+        ending its process, so only a host outside Ray (a test) calls this; a process that
+        exits with the portal open cancels what runs there first (``stop_before_exit``)."""
         self._portal_cm.__exit__(None, None, None)
 
 
