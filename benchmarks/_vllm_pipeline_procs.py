@@ -15,6 +15,8 @@ from typing import Any
 
 import psutil
 
+from omni_trio.transport.loop_host import stop_before_exit
+
 #: how long the parent watches leftover processes go away after a subprocess exited
 LEFTOVER_GRACE_S = 5.0
 
@@ -106,8 +108,14 @@ class ExitWatch:
             except ProcessLookupError:
                 self.exited[pid] = time.monotonic()  # gone before the watch began
         self._wake_r, self._wake_w = os.pipe()
-        self._thread = threading.Thread(target=self._run, name="exit-watch", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="exit-watch")
         self._thread.start()
+        # not a daemon: a watch never closed (its owner failed) stops at the interpreter's
+        # exit, which would otherwise wait for the watched processes to end
+        self._withdraw = stop_before_exit(self._stop_watching, name="exit-watch")
+
+    def _stop_watching(self) -> None:
+        os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
         poller = select.poll()
@@ -128,7 +136,8 @@ class ExitWatch:
         """Stop watching, after up to ``wait`` seconds for the processes still alive; pid ->
         exit time of every watched process that exited."""
         self._thread.join(wait)
-        os.write(self._wake_w, b"x")
+        self._withdraw()
+        self._stop_watching()
         self._thread.join()
         for fd in [*self._fds, self._wake_r, self._wake_w]:
             os.close(fd)

@@ -2,9 +2,10 @@
 the same engines, with no orchestrator. It measures the floor under omni-trio's design (vLLM
 engines in worker threads, requests driven from one trio loop), not a product path.
 
-Each stage's ``AsyncLLM`` lives in its own worker thread on a plain asyncio loop (as in
-omni-trio), built there one after the other (the CPU binding is read from the environment when
-the engine spawns its core). The ``shared`` system is the same program with every stage's
+Each stage's ``AsyncLLM`` lives in its own worker thread on a plain asyncio loop, hosted as
+omni-trio hosts its engines' (``omni_trio.transport.loop_host.LoopHost``), built there one
+after the other (the CPU binding is read from the environment when the engine spawns its
+core). The ``shared`` system is the same program with every stage's
 engine on one worker thread's loop (one vLLM host thread for the process instead of a thread
 per engine): the two differ only in how many threads the engines' Python work runs on.
 
@@ -31,6 +32,8 @@ from typing import Any
 from _vllm_pipeline_cells import PROMPTS, bind_for, engine_args, stage_models
 from _vllm_pipeline_procs import descendants, engine_groups, measure_idle, stop_one_by_one
 
+from omni_trio.transport.loop_host import LoopHost
+
 #: (request id, token ids, finished) as the worker sends them; a failure as (id, exc, True)
 Item = tuple[str, Any, bool]
 #: a stage: the host thread of its engine and the engine's index there
@@ -49,8 +52,7 @@ class EngineHost:
         self._token = trio_token
         self._deliver = deliver
         self.engines: list[Any] = []
-        self.loop = asyncio.new_event_loop()
-        self._stop = asyncio.Event()
+        self.host = LoopHost("asyncio", name=name)
         self._stopped: set[int] = set()
         self._built = threading.Event()
         self._pending: list[Item] = []
@@ -67,13 +69,13 @@ class EngineHost:
 
     def submit(self, k: int, request_id: str, prompt: Any, params: Any) -> None:
         """From trio: start a request on this host's engine ``k``. Thread-safe, never blocks."""
-        self.loop.call_soon_threadsafe(self._start, k, request_id, prompt, params)
+        self.host.call_soon_threadsafe(self._start, k, request_id, prompt, params)
 
     def stop_engine(self, k: int) -> None:
         """Shut engine ``k`` down in the thread (blocking); after the last one, join it."""
-        asyncio.run_coroutine_threadsafe(self._shutdown(k), self.loop).result()
+        self.host.submit(self._shutdown(k)).result()
         if len(self._stopped) == len(self.engines):
-            self.loop.call_soon_threadsafe(self._stop.set)
+            self.host.stop()
             self._thread.join()
 
     def core_pids(self, k: int) -> tuple[int, ...]:
@@ -81,11 +83,7 @@ class EngineHost:
         return tuple(p.pid for p in manager.processes)
 
     def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_until_complete(self._serve())
-        finally:
-            self.loop.close()
+        self.host.run(self._serve)
 
     async def _serve(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -105,7 +103,7 @@ class EngineHost:
                 raise
             finally:
                 self._built.set()
-            await self._stop.wait()
+            await self.host.wait_for_stop()
         finally:
             # every engine built, also those before a failed build (stop_engine may have
             # stopped some already)
@@ -123,7 +121,9 @@ class EngineHost:
         self.engines[k].shutdown()
 
     def _start(self, k: int, request_id: str, prompt: Any, params: Any) -> None:
-        task = self.loop.create_task(self._request(self.engines[k], request_id, prompt, params))
+        task = self.host.loop.create_task(
+            self._request(self.engines[k], request_id, prompt, params)
+        )
         tasks = self._tasks[k]
         tasks.add(task)
         task.add_done_callback(tasks.discard)
@@ -150,7 +150,7 @@ class EngineHost:
     def _post(self, item: Item) -> None:
         if not self._pending:
             # after every request task of this loop pass (one engine step) has posted
-            self.loop.call_soon(self._flush)
+            self.host.loop.call_soon(self._flush)
         self._pending.append(item)
 
     def _flush(self) -> None:
