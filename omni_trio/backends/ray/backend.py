@@ -46,7 +46,7 @@ from ...errors import (
     StageStartError,
     StageStopError,
 )
-from ...outputs import Payload, StageInput
+from ...outputs import StageInput
 from ...stages.backend import StageBackend
 from ...stages.emit import Emit, never, nowait_of
 from ...stages.input_stream import InputStream, collect_input
@@ -341,8 +341,8 @@ class RayBackend(StageBackend):
         await self._link.call(self._actor.end_input.remote(request_id))
 
     async def _rpc(
-        self, method: str, args: tuple[Payload, ...], kwargs: dict[str, Payload]
-    ) -> Payload:
+        self, method: str, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> object:
         assert self._link is not None
         reply = codec.decode_value(
             await self._link.call(
@@ -355,7 +355,7 @@ class RayBackend(StageBackend):
             raise_record(reply["__error__"], "")
         return reply
 
-    async def _interact(self, request_id: str, payload: Payload) -> bool:
+    async def _interact(self, request_id: str, payload: object) -> bool:
         # Sent once the actor's host has the request (STARTED): sent earlier, it could reach
         # the host first and be refused there. The remote call is shielded (bounded): once
         # sent, the payload may be delivered, and a cancellation must not report otherwise.
