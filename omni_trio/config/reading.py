@@ -31,7 +31,7 @@ from ..errors import ConfigError
 #: A value as a YAML, TOML or JSON config file holds it, before it is checked: open by nature.
 Value: TypeAlias = object
 #: The same in a config struct's field: msgspec writes a JSON Schema for ``Any``, not ``object``.
-FieldValue: TypeAlias = Any
+FieldValue: TypeAlias = Any  # type: ignore[explicit-any]
 
 __all__ = [
     "MAX_DEPTH",

@@ -133,7 +133,7 @@ def _prepare(obj: object) -> object:
         return obj if all(prepared[k] is v for k, v in mapping.items()) else prepared
     np = sys.modules.get("numpy")  # no numpy imported: no value is an array
     if np is not None and t is np.ndarray:
-        array = cast("numpy.ndarray[tuple[int, ...], numpy.dtype[numpy.generic]]", obj)
+        array = cast("numpy.ndarray[tuple[int, ...], numpy.dtype[numpy.generic[object]]]", obj)
         if not array.dtype.hasobject and array.dtype.fields is None:
             data = array if array.flags.c_contiguous else np.ascontiguousarray(array)
             return Ext(_NDARRAY, _ENCODER.encode((array.dtype.str, array.shape, data.data)))
