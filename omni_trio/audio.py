@@ -15,7 +15,7 @@ import sys
 import wave
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import cast
 
 __all__ = [
     "DEFAULT_SAMPLE_RATE",
@@ -30,7 +30,7 @@ __all__ = [
 DEFAULT_SAMPLE_RATE = 16_000
 
 
-def to_float_list(chunk: Any) -> list[float]:
+def to_float_list(chunk: object) -> list[float]:
     """Flatten one audio chunk (array, tensor, nested sequence, scalar) to a list of floats.
 
     Raises TypeError for values that are not numeric audio (str, bytes, dict)."""
@@ -45,12 +45,12 @@ def to_float_list(chunk: Any) -> list[float]:
     if isinstance(chunk, (int, float)):
         return [float(chunk)]
     out: list[float] = []
-    for item in chunk:
+    for item in cast("Iterable[object]", chunk):  # not iterable: its TypeError
         out.extend(to_float_list(item))
     return out
 
 
-def concat_audio(chunks: Iterable[Any]) -> list[float]:
+def concat_audio(chunks: Iterable[object]) -> list[float]:
     """Join audio chunks (``None`` chunks, e.g. a final marker output, are skipped)."""
     samples: list[float] = []
     for chunk in chunks:
@@ -97,7 +97,7 @@ def write_wav(
     return len(samples)
 
 
-def sample_rate_of(metrics: Any, options: Any = None) -> int:
+def sample_rate_of(metrics: object, options: object = None) -> int:
     """The sample rate an audio stage reports (its output ``metrics`` or stage ``options``
     key ``sample_rate``), else :data:`DEFAULT_SAMPLE_RATE`."""
     for source in (metrics, options):

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from ._values import direct_init
 from .errors import InvalidRequestError
-from .outputs import Payload, Prompt, SamplingParams, StageInput
+from .outputs import Prompt, SamplingParams, StageInput
 
 __all__ = ["Artifacts", "PlannedCompanion", "RequestContext", "check_request_options"]
 
@@ -65,11 +65,11 @@ class RequestContext:
     #: when the request arrived (``time.time()``), if the caller knows better than the engine
     arrival_time: float | None = None
     #: a vLLM ``LoRARequest`` (or a backend's own adapter reference)
-    lora_request: Payload = None
+    lora_request: object = None
     #: tracing headers handed to the engine (W3C ``traceparent`` ...)
     trace_headers: Mapping[str, str] | None = None
     #: extra tokenizer arguments for the prompt (vLLM ``tokenization_kwargs``)
-    tokenization_kwargs: Mapping[str, Payload] | None = None
+    tokenization_kwargs: Mapping[str, object] | None = None
     #: the caller sends the entry stage's input in segments (``RequestStream.send_input``)
     streaming_input: bool = False
     #: the directories the prompt_transform hooks returned, deleted when the request ends

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 __all__ = ["EngineObserver", "ObserverSet", "payload_nbytes"]
 
 logger = logging.getLogger(__name__)
 
 
-def payload_nbytes(token_ids: tuple[int, ...], text: str | None, data: Any) -> int:
+def payload_nbytes(token_ids: tuple[int, ...], text: str | None, data: object) -> int:
     """Approximate bytes moved between stages: 4 per token id, UTF-8 text, array nbytes."""
     n = 4 * len(token_ids) + (len(text.encode("utf-8")) if text else 0)
     if data is not None:
@@ -53,7 +52,7 @@ class ObserverSet:
     def __bool__(self) -> bool:
         return bool(self._observers)
 
-    def emit(self, hook: str, *args: Any) -> None:
+    def emit(self, hook: str, *args: object) -> None:
         t = time.perf_counter()
         for obs in list(self._observers):
             try:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias
+from typing import Literal, TypeAlias
 
 from ._values import direct_init
 
 __all__ = [
     "EngineStatistics",
     "Metrics",
-    "Payload",
     "Prompt",
     "SamplingParams",
     "OmniOutput",
@@ -28,16 +27,13 @@ __all__ = [
 
 FINISH_ABORT = "abort"
 
-#: What omni-trio carries without looking into it: a stage's data (an audio chunk, an image,
-#: a user object), an RPC's arguments and result. The one truly open type.
-Payload: TypeAlias = Any
 #: One stage's sampling params: a mapping (merged over the stage's defaults) or a backend's
 #: own object (a vLLM ``SamplingParams``), passed unchanged.
-SamplingParams: TypeAlias = Payload
+SamplingParams: TypeAlias = Mapping[str, object] | object
 #: A backend's per-output metrics (``prompt_tokens``, ``output_index`` ...).
-Metrics: TypeAlias = Mapping[str, Payload]
-#: A request's prompt: text, token ids, or a prompt dict.
-Prompt: TypeAlias = str | Sequence[int] | Mapping[str, Payload]
+Metrics: TypeAlias = Mapping[str, object]
+#: A request's prompt: text, token ids, or a prompt dict (vLLM's, multimodal data included).
+Prompt: TypeAlias = str | Sequence[int] | Mapping[str, object]
 
 #: a replica's life: starting -> ready -> dead (failed after or during start) | stopped
 #: a replica's life: ``starting`` -> ``ready`` -> (``draining`` while removed) -> ``stopped``;
@@ -57,7 +53,7 @@ class StageInput:
 
     prompt: str | None = None
     token_ids: tuple[int, ...] = ()
-    data: Payload = None
+    data: object = None
     final: bool = True
     source: str | None = None
 
@@ -75,7 +71,7 @@ class StageOutput:
 
     token_ids: tuple[int, ...] = ()
     text: str = ""
-    data: Payload = None
+    data: object = None
     finished: bool = False
     finish_reason: str | None = None
     metrics: Metrics | None = None
@@ -99,7 +95,7 @@ class OmniOutput:
     kind: str
     text: str = ""
     token_ids: tuple[int, ...] = ()
-    data: Payload = None
+    data: object = None
     finished: bool = False
     finish_reason: str | None = None
     metrics: Metrics | None = None

@@ -58,13 +58,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any, TypeVar, overload
+from typing import Any, SupportsFloat, TypeVar, cast, overload
 
 import trio
 
 from ..config.options import ScriptedOptions, parse_options
+from ..config.stage import StageConfig
 from ..errors import StageError
-from ..outputs import StageInput, StageOutput
+from ..outputs import SamplingParams, StageInput, StageOutput
 from ..stages.backend import StageBackend
 from ..stages.emit import Emit, nowait_of
 from ..stages.input_stream import InputStream
@@ -218,7 +219,7 @@ class ScriptedBackend(StageBackend):
 
     backend_name = "scripted"
 
-    def __init__(self, config: Any, *, stage_index: int, replica: int = 0) -> None:
+    def __init__(self, config: StageConfig, *, stage_index: int, replica: int = 0) -> None:
         super().__init__(config, stage_index=stage_index, replica=replica)
         self.options: ScriptedOptions = parse_options(
             ScriptedOptions,
@@ -248,7 +249,7 @@ class ScriptedBackend(StageBackend):
         await trio.sleep(self.options.stop_delay_s)
 
     async def _run(
-        self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
+        self, request_id: str, inputs: InputStream, sampling_params: SamplingParams, emit: Emit
     ) -> None:
         self.requests_seen += 1
         crash_at = self.options.crash_at_request
@@ -357,7 +358,7 @@ class ScriptedBackend(StageBackend):
         finally:
             del self._live[request_id]
 
-    async def _interact(self, request_id: str, payload: Any) -> None:
+    async def _interact(self, request_id: str, payload: object) -> None:
         """``{"stop": True}`` finishes the request now (its next output is its finished one,
         empty, ``finish_reason="stop"``); anything else is recorded in
         :attr:`interactions`. Synchronous apart from the base class's checkpoint."""
@@ -367,11 +368,13 @@ class ScriptedBackend(StageBackend):
                 live.wake()
         self.interactions.start(request_id).append(payload)
 
-    async def _rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    async def _rpc(
+        self, method: str, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> object:
         if method == "echo":
             return {"stage": self.stage_id, "replica": self.replica, "args": list(args), **kwargs}
         if method == "sleep":
-            seconds = float(args[0]) if args else 0.0
+            seconds = float(cast(SupportsFloat, args[0])) if args else 0.0
             await trio.sleep(seconds)
             return seconds
         if method == "hang":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import trio
 from rich.console import Console
@@ -23,6 +23,9 @@ from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Ta
 from rich.text import Text
 
 from ..models.progress import reporting_to
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
 
 __all__ = ["StartupDisplay", "open_engine_with_progress", "phase_label"]
 
@@ -85,7 +88,7 @@ class StartupDisplay:
     def add_stage(self, stage_id: str, backend: str) -> None:
         self._stages[stage_id] = self.progress.add_task(f"{stage_id} ({backend}): starting")
 
-    def tick(self, engine: Any) -> None:
+    def tick(self, engine: Engine) -> None:
         """Update each stage's line from the engine's start-up records; redraw."""
         phases = engine.init_phases()
         for st in engine.config.stages:
@@ -121,7 +124,7 @@ class StartupDisplay:
 
 
 @asynccontextmanager
-async def open_engine_with_progress(engine: Any, stream: TextIO) -> AsyncIterator[Any]:
+async def open_engine_with_progress(engine: Engine, stream: TextIO) -> AsyncIterator[Engine]:
     """Enter ``engine`` (an unentered :class:`~omni_trio.Engine`) while a live display on
     ``stream`` shows its start-up; yield it once every stage is ready; leave it on exit.
 
@@ -155,7 +158,7 @@ async def open_engine_with_progress(engine: Any, stream: TextIO) -> AsyncIterato
         raise error from error.__cause__  # `from None` would erase the error's own cause
 
 
-async def _redraw(display: StartupDisplay, engine: Any, scope: trio.CancelScope) -> None:
+async def _redraw(display: StartupDisplay, engine: Engine, scope: trio.CancelScope) -> None:
     # UI only: redrawn once a second; nothing waits on what it reads
     with scope:
         while True:

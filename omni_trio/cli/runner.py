@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import trio
 
@@ -21,6 +21,10 @@ from ..config.stageinfo import audio_stage, text_stage
 from ..errors import ConfigError
 from ..observer import EngineObserver
 from ..pipelines import PIPELINES, pipeline_path
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
+    from ..outputs import EngineStatistics
 
 __all__ = [
     "RunSummary",
@@ -83,7 +87,7 @@ class StageTimer(EngineObserver):
 
 
 async def run_prompts(
-    engine: Any,
+    engine: Engine,
     prompts: Sequence[str],
     output_dir: Path,
     max_tokens: int | None,
@@ -169,7 +173,7 @@ def _save_wav(path: Path, samples: list[float], rate: int) -> None:
     write_wav(path, samples, rate)
 
 
-def format_init_table(engine: Any) -> str:
+def format_init_table(engine: Engine) -> str:
     """The start-up timeline: per stage and replica, seconds from start to each phase."""
     lines = ["start-up timeline (seconds since each replica's start):"]
     for sid, rows in engine.init_phases().items():
@@ -203,7 +207,7 @@ def format_stage_times(timer: StageTimer) -> str:
     return "\n".join(lines)
 
 
-def format_statistics(stats: Any) -> str:
+def format_statistics(stats: EngineStatistics) -> str:
     """The engine's final statistics as a few lines."""
     lines = [
         f"engine: {stats.requests_total} requests: {stats.requests_finished} finished, "

@@ -26,6 +26,7 @@ from .runner import format_init_table, format_statistics
 
 if TYPE_CHECKING:
     from ..config.pipeline import PipelineConfig
+    from ..engine.engine import Engine
 
 __all__ = ["cmd_serve"]
 
@@ -36,7 +37,7 @@ async def _serve(args: argparse.Namespace, config: PipelineConfig) -> None:
 
     shutdown = trio.Event()
     serving = False
-    engine: Any = None
+    engine: Engine | None = None
 
     async def watch(signals: Any, scope: trio.CancelScope) -> None:
         async for signum in signals:
@@ -54,7 +55,7 @@ async def _serve(args: argparse.Namespace, config: PipelineConfig) -> None:
                 shutdown.set()
                 scope.cancel()
 
-    def ready(started: Any, port: int) -> None:
+    def ready(started: Engine, port: int) -> None:
         nonlocal serving, engine
         serving, engine = True, started
         if args.log_stats:

@@ -103,7 +103,7 @@ def check_factory(factory: object, path: str, *, where: str, source: str | None 
                 "return one"
             )
     try:
-        signature = inspect.signature(typing.cast(Callable[..., object], factory))
+        signature = inspect.signature(typing.cast(Callable[..., object], factory))  # type: ignore[explicit-any]
     except (TypeError, ValueError):
         return  # no signature to read (some builtins): the call at start-up will tell
     try:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from ..errors import BackendUnavailableError, ConfigError
 from .backends import BUILTIN_BACKENDS, check_factory
@@ -212,7 +211,7 @@ def check_stage(
             )
 
 
-def _check_torch(options: Mapping[str, Any], index: int, source: str | None) -> None:
+def _check_torch(options: Mapping[str, object], index: int, source: str | None) -> None:
     where = f"$.stages[{index}].options"
     opts, rest = parse_torch_options(options, stage_index=index, source=source)
     factory: object = split_torch_options(options)[2]

@@ -81,8 +81,9 @@ def _parse_overrides(value: Value, source: str) -> dict[str, dict[str, Value]]:
 def _deep_merge(base: dict[str, Value], extra: Mapping[str, Value]) -> dict[str, Value]:
     out = dict(base)
     for k, v in extra.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = _deep_merge(dict(out[k]), v)
+        current = out.get(k)
+        if isinstance(v, Mapping) and isinstance(current, Mapping):
+            out[k] = _deep_merge(dict(current), v)
         else:
             out[k] = v
     return out

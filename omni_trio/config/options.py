@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -157,7 +157,7 @@ S = TypeVar("S", bound=msgspec.Struct)
 
 def parse_options(
     options_type: type[S],
-    options: Mapping[str, Any],
+    options: Mapping[str, object],
     *,
     where: str,
     source: str | None = None,
@@ -201,8 +201,8 @@ def parse_options(
 
 
 def split_torch_options(
-    options: Mapping[str, Any],
-) -> tuple[dict[str, Any], dict[str, Any], Callable[..., Any] | None]:
+    options: Mapping[str, object],
+) -> tuple[dict[str, object], dict[str, object], Callable[[dict[str, object]], object] | None]:
     """A torch stage's options as (the backend's keys, the factory's keys, a factory given as
     a callable in a config built in Python, else None). Pure."""
     own = {k: v for k, v in options.items() if k in TorchOptions.__struct_fields__}
@@ -223,8 +223,8 @@ def options_type_of(factory: object) -> type[msgspec.Struct] | None:
 
 
 def parse_torch_options(
-    options: Mapping[str, Any], *, stage_index: int = 0, source: str | None = None
-) -> tuple[TorchOptions, dict[str, Any]]:
+    options: Mapping[str, object], *, stage_index: int = 0, source: str | None = None
+) -> tuple[TorchOptions, dict[str, object]]:
     """Split a torch stage's options into the backend's (a validated :class:`TorchOptions`)
     and the factory's (every other key). Pure. Raises :class:`ConfigError` naming the option's
     path. A factory given as a callable is left out: see :func:`split_torch_options`."""

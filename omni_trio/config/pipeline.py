@@ -44,7 +44,7 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, d
         Timeout, doc("seconds each replica may take to stop (a stage may set its own)")
     ] = 30.0
     max_requests_in_flight: Annotated[
-        int, doc("admission limit: requests running at once", ge=1, le=MAX_SLOTS)
+        int, Meta(ge=1, le=MAX_SLOTS), doc("admission limit: requests running at once")
     ] = 4096
     admission: Annotated[
         Admission,
@@ -66,11 +66,8 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, d
     )
     output_buffer: Annotated[
         int,
-        doc(
-            "size of every per-request output channel (readers that lag exert backpressure)",
-            ge=1,
-            le=MAX_SLOTS,
-        ),
+        Meta(ge=1, le=MAX_SLOTS),
+        doc("size of every per-request output channel (readers that lag exert backpressure)"),
     ] = 64
     source: str | None = None
 

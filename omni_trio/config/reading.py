@@ -15,11 +15,12 @@ import json
 import math
 import re
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 
 import msgspec
 import msgspec.inspect
@@ -28,7 +29,9 @@ import yaml
 from ..errors import ConfigError
 
 #: A value as a YAML, TOML or JSON config file holds it, before it is checked: open by nature.
-Value: TypeAlias = Any
+Value: TypeAlias = object
+#: The same in a config struct's field: msgspec writes a JSON Schema for ``Any``, not ``object``.
+FieldValue: TypeAlias = Any  # type: ignore[explicit-any]
 
 __all__ = [
     "MAX_DEPTH",
@@ -58,12 +61,15 @@ class _Mapping(dict[Value, Value]):
         self.duplicates = []
 
 
-def _where(mark: Value) -> str:
+def _where(mark: yaml.Mark) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}"
 
 
 # libyaml's parser when PyYAML has it (about 3x faster on big files), else PyYAML's own
-_BaseLoader: Value = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+if TYPE_CHECKING:
+    from yaml import SafeLoader as _BaseLoader
+else:
+    _BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class _Loader(_BaseLoader):  # type: ignore[misc]
@@ -101,46 +107,52 @@ def _label(parent: yaml.Node, i: int) -> str:
     return "" if i % 2 == 0 else "." + (key.value if isinstance(key, yaml.ScalarNode) else "?")
 
 
+@dataclass(slots=True)
+class _Frame:
+    node: yaml.Node
+    children: list[yaml.Node]
+    next: int = 0  # the next child's index
+    size: int = 1  # its expanded size so far
+
+
 def _check_yaml_nodes(root: yaml.Node, source: str) -> None:
     """Reject alias bombs, self-referring aliases and deep nesting before constructing:
     the node graph shares aliased nodes, so this is linear in the file, not the expansion."""
     size: dict[int, int] = {}
     on_stack = {id(root)}
-    # frames: [node, children, next child index, expanded size so far]
-    stack: list[list[Value]] = [[root, _children(root), 0, 1]]
+    stack = [_Frame(root, _children(root))]
 
-    def fail(reason: str, mark: Value) -> ConfigError:
-        path = "$" + "".join(_label(f[0], f[2] - 1) for f in stack)
+    def fail(reason: str, mark: yaml.Mark) -> ConfigError:
+        path = "$" + "".join(_label(f.node, f.next - 1) for f in stack)
         return ConfigError(f"{reason} ({_where(mark)})", path=path, source=source)
 
     while stack:
         frame = stack[-1]
-        node, children, i, total = frame
-        if i < len(children):
-            child = children[i]
-            frame[2] = i + 1
+        if frame.next < len(frame.children):
+            child = frame.children[frame.next]
+            frame.next += 1
             if isinstance(child, yaml.ScalarNode):
-                frame[3] = total + 1
+                frame.size += 1
             elif id(child) in size:
-                frame[3] = total + size[id(child)]
+                frame.size += size[id(child)]
             elif id(child) in on_stack:
                 raise fail("a YAML alias refers to a node that contains it", child.start_mark)
             elif len(stack) >= MAX_DEPTH:
                 raise fail(f"nested more than {MAX_DEPTH} levels deep", child.start_mark)
             else:
                 on_stack.add(id(child))
-                stack.append([child, _children(child), 0, 1])
-            if frame[3] > MAX_NODES:
+                stack.append(_Frame(child, _children(child)))
+            if frame.size > MAX_NODES:
                 raise fail(
                     f"expands to more than {MAX_NODES:,} values through YAML aliases",
                     child.start_mark,
                 )
             continue
         stack.pop()
-        on_stack.discard(id(node))
-        size[id(node)] = total
+        on_stack.discard(id(frame.node))
+        size[id(frame.node)] = frame.size
         if stack:
-            stack[-1][3] += total
+            stack[-1].size += frame.size
 
 
 def _load_yaml(text: str, source: str) -> Value:
@@ -216,7 +228,7 @@ def read_config_file(path: Path) -> Value:
         raise ConfigError(f"cannot parse file: {type(exc).__name__}: {exc}", source=source) from exc
 
 
-_Link = tuple[Value, Value, bool] | None  # (parent link, key or index, is an index)
+_Link: TypeAlias = "tuple[_Link, object, bool] | None"  # (parent link, key or index, is an index)
 _LEAVES = (str, int, bool, type(None))
 
 
@@ -247,10 +259,10 @@ def check_tree(data: Value, source: str) -> None:
                     path=_path((link, key, False)),
                     source=source,
                 )
-            items: Value = value.items()
+            items: Iterable[tuple[object, object]] = value.items()
             is_index = False
         else:
-            items = enumerate(value)
+            items = enumerate(cast("Iterable[object]", value))  # a list or tuple
             is_index = True
         for key, item in items:
             seen += 1
@@ -258,7 +270,7 @@ def check_tree(data: Value, source: str) -> None:
             if kind in _LEAVES:
                 continue
             if kind is float or isinstance(item, float):
-                if not math.isfinite(item):
+                if not math.isfinite(cast(float, item)):
                     raise ConfigError(
                         f"numbers must be finite, got {item!r} (use null for 'no limit' where "
                         f"a key allows it)",
@@ -277,13 +289,18 @@ def check_tree(data: Value, source: str) -> None:
 _PATH_STEP = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
 
 
+class _Indexable(Protocol):
+    # a mapping or a sequence; anything else raises TypeError when indexed
+    def __getitem__(self, key: str | int, /) -> Value: ...
+
+
 def _value_at(data: Value, path: str) -> Value:
     """The value at a msgspec path suffix like ``.a[2].b`` inside ``data`` (or Ellipsis)."""
     for name, index in _PATH_STEP.findall(path):
         if index == "...":  # msgspec does not say which key of a dict
             return ...
         try:
-            data = data[name] if name else data[int(index)]
+            data = cast(_Indexable, data)[name if name else int(index)]
         except (KeyError, IndexError, TypeError):
             return ...
     return data

@@ -17,7 +17,7 @@ from msgspec import Meta
 
 from .backends import BUILTIN_BACKENDS
 from .dotted import DOTTED_PATTERN
-from .reading import Value, check_struct
+from .reading import FieldValue, check_struct
 
 __all__ = [
     "MAX_REPLICAS",
@@ -52,10 +52,10 @@ LbPolicy = Literal["least_loaded", "round_robin", "random"]
 RestartPolicy = Literal["never", "on-failure"]
 
 
-def doc(text: str, **extra: Value) -> Meta:
-    """A key's metadata: ``text`` is its description in the JSON Schema, ``extra`` its
-    bounds (``ge=1``) or more schema (``extra_json_schema``). Pure."""
-    return Meta(description=text, **extra)
+def doc(text: str, extra_json_schema: dict[str, object] | None = None) -> Meta:
+    """A key's description in the JSON Schema, and more schema if given (its bounds are a
+    ``Meta`` of their own beside it). Pure."""
+    return Meta(description=text, extra_json_schema=extra_json_schema)
 
 
 class RayPlacement(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -74,7 +74,7 @@ class RayPlacement(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         dict[str, NonNegative], doc("custom Ray resources each actor reserves, by name")
     ] = {}
     runtime_env: Annotated[
-        dict[str, Value], doc("the actors' Ray runtime_env (pip, env_vars, working_dir ...)")
+        dict[str, FieldValue], doc("the actors' Ray runtime_env (pip, env_vars, working_dir ...)")
     ] = {}
 
     def __post_init__(self) -> None:
@@ -97,7 +97,7 @@ PLACEMENTS = ("ray",)
 class StageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One stage of a pipeline. Its position in ``PipelineConfig.stages`` is its index."""
 
-    id: Annotated[str, doc("the stage's name, unique in the pipeline", min_length=1)]
+    id: Annotated[str, Meta(min_length=1), doc("the stage's name, unique in the pipeline")]
     backend: Annotated[
         str,
         doc(
@@ -107,9 +107,11 @@ class StageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             },
         ),
     ] = "scripted"
-    engine_args: Annotated[dict[str, Value], doc("vllm stages: vllm AsyncEngineArgs fields")] = {}
+    engine_args: Annotated[
+        dict[str, FieldValue], doc("vllm stages: vllm AsyncEngineArgs fields")
+    ] = {}
     options: Annotated[
-        dict[str, Value],
+        dict[str, FieldValue],
         doc(
             "backend options, checked at load against the backend's options "
             "(ScriptedOptions, TorchOptions, VllmOptions, or a user backend's Options)"
@@ -125,7 +127,7 @@ class StageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ),
     ] = None
     processor_options: Annotated[
-        dict[str, Value], doc("options passed to the input processor")
+        dict[str, FieldValue], doc("options passed to the input processor")
     ] = {}
     prompt_transform: Annotated[
         str | None,
@@ -150,11 +152,11 @@ class StageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     final_output: Annotated[bool, doc("its outputs go to callers by default")] = False
     output_type: Annotated[OutputType, doc("what the stage produces")] = "text"
     default_sampling_params: Annotated[
-        dict[str, Value],
+        dict[str, FieldValue],
         doc("sampling params merged under each request's (vllm: SamplingParams fields)"),
     ] = {}
     replicas: Annotated[
-        int, doc(f"engine replicas of this stage, 1..{MAX_REPLICAS}", ge=1, le=MAX_REPLICAS)
+        int, Meta(ge=1, le=MAX_REPLICAS), doc(f"engine replicas of this stage, 1..{MAX_REPLICAS}")
     ] = 1
     stage_init_timeout: Annotated[
         Timeout | None,
@@ -182,7 +184,7 @@ class StageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "never"
     )
     max_restarts: Annotated[
-        int, doc("restarts allowed per replica index (restart: on-failure)", ge=0)
+        int, Meta(ge=0), doc("restarts allowed per replica index (restart: on-failure)")
     ] = 3
     restart_backoff_s: Annotated[
         Annotated[float, Meta(ge=0)],

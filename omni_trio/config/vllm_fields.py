@@ -22,7 +22,7 @@ import typing
 from collections.abc import Mapping
 from functools import cache
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Literal, cast
 
 import msgspec
 
@@ -38,7 +38,7 @@ VLLM_IMPORT_LOCK = threading.Lock()
 _ATOMS = (int, float, bool, str, type(None))
 
 
-def _is_plain(tp: Any) -> bool:
+def _is_plain(tp: object) -> bool:
     """Whether msgspec can check ``tp`` exactly as vLLM means it (no custom classes). Pure."""
     if tp in _ATOMS:
         return True
@@ -51,7 +51,7 @@ def _is_plain(tp: Any) -> bool:
     return False
 
 
-def _resolve(annotation: Any, owner: type) -> Any:
+def _resolve(annotation: object, owner: type) -> object:
     if not isinstance(annotation, str):
         return annotation
     for cls in owner.__mro__:
@@ -66,13 +66,13 @@ def _resolve(annotation: Any, owner: type) -> Any:
 
 
 @cache
-def engine_arg_types(engine_args_cls: type) -> dict[str, Any]:
+def engine_arg_types(engine_args_cls: type) -> dict[str, object]:
     """Field name -> type to check (``None``: only the key is checked) for AsyncEngineArgs."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for field in dataclasses.fields(engine_args_cls):
         tp = _resolve(field.type, engine_args_cls)
         # vLLM annotates some fields `int` with a None default: None is always allowed
-        out[field.name] = (tp | None) if tp is not None and _is_plain(tp) else None
+        out[field.name] = (cast(type, tp) | None) if tp is not None and _is_plain(tp) else None
     return out
 
 
@@ -97,8 +97,8 @@ def _unknown(kind: str, key: str, known: typing.Iterable[str]) -> str:
 
 
 def check_vllm_stage(
-    engine_args: Mapping[str, Any],
-    sampling_params: Mapping[str, Any],
+    engine_args: Mapping[str, object],
+    sampling_params: Mapping[str, object],
     where: str,
     source: str | None,
 ) -> None:

@@ -32,7 +32,7 @@ from ..config.pipeline import PipelineConfig
 from ..config.stageinfo import StageInfo, SupportedTask, stage_infos, supported_tasks
 from ..errors import InvalidRequestError
 from ..observer import EngineObserver
-from ..outputs import EngineStatistics, OmniOutput, Payload, Prompt, SamplingParams
+from ..outputs import EngineStatistics, OmniOutput, Prompt, SamplingParams
 from ..request.hooks import PromptHooks
 from ..request.planning import stage_ref
 from ..stages.fanout import check_rpc_timeout
@@ -100,9 +100,9 @@ class Engine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
-        lora_request: Payload = None,
+        lora_request: object = None,
         trace_headers: Mapping[str, str] | None = None,
-        tokenization_kwargs: Mapping[str, Payload] | None = None,
+        tokenization_kwargs: Mapping[str, object] | None = None,
         streaming_input: bool = False,
         output_modalities: Sequence[str] | None = None,
     ) -> RequestStream:
@@ -194,7 +194,7 @@ class Engine:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             self.orchestrator.abort_nowait(rid)
 
-    async def interact(self, request_id: str, payload: Payload) -> bool:
+    async def interact(self, request_id: str, payload: object) -> bool:
         """Deliver a control payload to a live request's entry-stage backend, in order (see
         :mod:`~omni_trio.request.interactions`). Returns ``True`` once the backend accepted it,
         ``False`` for an unknown or ended request (or one whose entry stage is done with it);
@@ -214,11 +214,11 @@ class Engine:
     async def collective_rpc(
         self,
         method: str,
-        args: Sequence[Payload] | None = (),
-        kwargs: Mapping[str, Payload] | None = None,
+        args: Sequence[object] | None = (),
+        kwargs: Mapping[str, object] | None = None,
         stage_ids: Sequence[str | int] | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 (DESIGN.md's API)
-    ) -> list[Payload]:
+    ) -> list[object]:
         """Call ``method`` on every replica of the chosen stages (default all; by id or index),
         concurrently. Returns one result per replica, in stage order then replica order.
 

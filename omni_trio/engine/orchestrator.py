@@ -32,7 +32,7 @@ from ..config.pipeline import PipelineConfig
 from ..context import RequestContext
 from ..errors import DuplicateRequestError, EngineClosedError, OmniTrioError
 from ..observer import ObserverSet
-from ..outputs import OmniOutput, Payload, StageInput
+from ..outputs import OmniOutput, StageInput
 from ..request.feeds import StageFeed
 from ..request.hooks import remove_artifacts
 from ..request.interactions import Interactions
@@ -327,7 +327,7 @@ class Orchestrator:
             await next(iter(self._requests.values())).wait_ended()
 
     async def interact(
-        self, request_id: str, payload: Payload, *, handle: RequestHandle | None = None
+        self, request_id: str, payload: object, *, handle: RequestHandle | None = None
     ) -> bool:
         """Deliver an interaction to a request's entry-stage backend (see
         :mod:`~omni_trio.request.interactions`); ``False`` for an unknown or ended request, or one

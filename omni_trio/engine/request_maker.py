@@ -12,7 +12,7 @@ import trio
 from ..config.pipeline import PipelineConfig
 from ..context import RequestContext, check_request_options
 from ..errors import InvalidRequestError, StageError
-from ..outputs import OmniOutput, Payload, Prompt, SamplingParams
+from ..outputs import OmniOutput, Prompt, SamplingParams
 from ..request.companions import expand_companions, load_expand_hooks
 from ..request.hooks import PromptHooks
 from ..request.planning import RequestPlan, RoutePlanner, prompt_to_input, resolve_sampling_params
@@ -49,9 +49,9 @@ class RequestMaker:
         *,
         priority: int,
         arrival_time: float | None,
-        lora_request: Payload,
+        lora_request: object,
         trace_headers: Mapping[str, str] | None,
-        tokenization_kwargs: Mapping[str, Payload] | None,
+        tokenization_kwargs: Mapping[str, object] | None,
         streaming_input: bool,
         output_modalities: Sequence[str] | None,
     ) -> RequestStream:

@@ -15,7 +15,6 @@ import trio
 
 from ..errors import CollectiveRPCTimeoutError, ReplicaDeadError, StageRPCError
 from ..failures import describe_failures
-from ..outputs import Payload
 from ..stages.pool import StagePool
 
 __all__ = ["fan_out_rpc", "merge_rpc_outcomes"]
@@ -24,13 +23,13 @@ __all__ = ["fan_out_rpc", "merge_rpc_outcomes"]
 async def fan_out_rpc(
     pools: Sequence[StagePool],
     method: str,
-    args: Sequence[Payload] | None,
-    kwargs: Mapping[str, Payload] | None,
+    args: Sequence[object] | None,
+    kwargs: Mapping[str, object] | None,
     timeout: float | None,  # noqa: ASYNC109 (passed through to each pool)
-) -> list[Payload]:
+) -> list[object]:
     """Call ``method`` on every replica of ``pools`` concurrently; see :func:`merge_rpc_outcomes`
     for what it returns or raises. Always checkpoints; cancelling it cancels every call."""
-    outcomes: list[outcome.Outcome[list[Payload]] | None] = [None] * len(pools)
+    outcomes: list[outcome.Outcome[list[object]] | None] = [None] * len(pools)
 
     async def call(i: int, pool: StagePool) -> None:
         outcomes[i] = await outcome.acapture(
@@ -46,8 +45,8 @@ async def fan_out_rpc(
 
 
 def merge_rpc_outcomes(
-    method: str, timeout: float | None, outcomes: Sequence[outcome.Outcome[list[Payload]]]
-) -> list[Payload]:
+    method: str, timeout: float | None, outcomes: Sequence[outcome.Outcome[list[object]]]
+) -> list[object]:
     """Every pool's results, in order; or one error for them all. Pure.
 
     A timeout anywhere raises :class:`CollectiveRPCTimeoutError` naming every replica that did
@@ -56,7 +55,7 @@ def merge_rpc_outcomes(
     failing replica, ``from ExceptionGroup`` of all the pools' errors. Non-omni-trio errors
     (bugs) propagate as they are.
     """
-    results: list[Payload] = []
+    results: list[object] = []
     errors: list[Exception] = []
     for o in outcomes:
         if isinstance(o, outcome.Value):

@@ -30,7 +30,7 @@ import trio
 from ..config.dotted import import_dotted
 from ..context import PlannedCompanion
 from ..errors import InvalidRequestError, StageAborted, StageError
-from ..outputs import Payload, Prompt, SamplingParams, StageInput, StageOutput
+from ..outputs import Prompt, SamplingParams, StageInput, StageOutput
 from .feeds import WholeInput
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ def expand_companions(
     planned: list[PlannedCompanion] = []
     seen: set[str] = set()
     for c in companions:
-        role: Payload = c.role
+        role: object = c.role
         if not isinstance(role, str) or not role or ":" in role or role in seen:
             raise InvalidRequestError(
                 f"the prompt_expand hook {hook_name!r} of stage {stage_id!r} returned a "

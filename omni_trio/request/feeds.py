@@ -24,7 +24,7 @@ import trio
 
 from ..errors import InvalidRequestError, StageError
 from ..observer import ObserverSet, payload_nbytes
-from ..outputs import Payload, StageInput, StageOutput
+from ..outputs import StageInput, StageOutput
 from ..stages.processors import InputProcessor, StageContext
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ class StageFeed:
         *,
         stream: bool,
         processor: InputProcessor,
-        options: Mapping[str, Payload],
+        options: Mapping[str, object],
         send: trio.MemorySendChannel[StageInput] | None,
         request_id: str,
         observers: ObserverSet,

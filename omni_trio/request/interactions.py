@@ -25,7 +25,6 @@ from collections.abc import Mapping
 
 import trio
 
-from ..outputs import Payload
 from ..stages.backend import StageBackend
 from ..stages.pool import StagePool
 from ..stages.watch import wait_run
@@ -47,7 +46,7 @@ class Interactions:
         Synchronous, pure."""
         return req.plan.entries[0]
 
-    async def deliver(self, req: Request, payload: Payload) -> bool:
+    async def deliver(self, req: Request, payload: object) -> bool:
         """Deliver ``payload`` to ``req``'s entry-stage backend, after every interaction
         already on its way to it; whether it was delivered (``False``: the request ended or
         its entry stage is done with it).

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncGenerator, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -52,6 +52,10 @@ from .protocol import (
     parse_speech,
 )
 from .responses import Computed, EngineJSONResponse, EventStreamResponse, error_for
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
+    from ..engine.streams import RequestStream
 
 __all__ = ["create_app", "health_body", "health_report", "json_response"]
 
@@ -129,7 +133,7 @@ class _Handlers:
     """The endpoints of one engine (kept on an object so they share engine and metrics)."""
 
     def __init__(
-        self, engine: Any, metrics: EngineMetrics, model: str, lifecycle: ServerLifecycle
+        self, engine: Engine, metrics: EngineMetrics, model: str, lifecycle: ServerLifecycle
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -139,7 +143,7 @@ class _Handlers:
         self.audio_stage = audio_stage(engine.config)
         self.audio_chat = AudioChat(engine, model, self.text_stage, self.audio_stage)
 
-    def _text_stream(self, req: ChatRequest | CompletionRequest, rid: str) -> Any:
+    def _text_stream(self, req: ChatRequest | CompletionRequest, rid: str) -> RequestStream:
         sampling = {self.text_stage: req.sampling}
         if isinstance(req, ChatRequest) and req.modalities is not None:
             # the chat's modalities (text only here) pick the output stages
@@ -355,7 +359,7 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(
-    engine: Any,
+    engine: Engine,
     *,
     metrics: EngineMetrics | None = None,
     model: str | None = None,

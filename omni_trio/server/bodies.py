@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
 
 __all__ = [
     "chat_chunk",
@@ -66,7 +69,7 @@ def now() -> int:
     return int(time.time())
 
 
-def model_card(model: str, engine: Any) -> dict[str, Any]:
+def model_card(model: str, engine: Engine) -> dict[str, Any]:
     """The ``/v1/models`` entry of the served pipeline: OpenAI's model object plus
     ``supported_tasks`` and ``stages`` (each stage's :class:`~omni_trio.config.stageinfo.StageInfo`
     as an object; ``replicas`` counts its members now). Synchronous."""

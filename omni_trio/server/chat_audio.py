@@ -17,13 +17,17 @@ from __future__ import annotations
 import base64
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..audio import concat_audio, pcm16_bytes, sample_rate_of, to_float_list, wav_bytes
 from ..outputs import OmniOutput
 from .bodies import chat_chunk, now, openai_finish_reason, usage
 from .protocol import ChatRequest
 from .responses import Computed
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
+    from ..engine.streams import RequestStream
 
 __all__ = ["AudioChat", "audio_message", "engine_modalities", "prompt_tokens_of"]
 
@@ -94,7 +98,9 @@ class AudioChat:
     :meth:`events` (SSE chunks). ``text_stage`` takes the request's sampling params;
     ``audio_stage`` gives the sample rate when the outputs do not."""
 
-    def __init__(self, engine: Any, model: str, text_stage: str, audio_stage: str | None) -> None:
+    def __init__(
+        self, engine: Engine, model: str, text_stage: str, audio_stage: str | None
+    ) -> None:
         self.engine = engine
         self.model = model
         self.text_stage = text_stage
@@ -102,7 +108,7 @@ class AudioChat:
         types = {st.output_type for st in engine.config.stages}
         self.produces_text = "text" in types
 
-    def _stream(self, req: ChatRequest, rid: str) -> Any:
+    def _stream(self, req: ChatRequest, rid: str) -> RequestStream:
         assert req.modalities is not None
         return self.engine.generate(
             req.prompt,

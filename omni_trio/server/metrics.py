@@ -32,7 +32,7 @@ The stage and replica gauges come from the engine's health report
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, get_args
+from typing import TYPE_CHECKING, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -41,6 +41,9 @@ from prometheus_client.registry import Collector
 from ..engine.health import assess_health
 from ..observer import EngineObserver
 from ..outputs import EngineStatistics, ReplicaState
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
 
 __all__ = ["CONTENT_TYPE", "EngineMetrics", "state_metrics"]
 
@@ -131,7 +134,7 @@ class EngineMetrics(EngineObserver):
     observer; :meth:`render` returns the text exposition. Hooks are synchronous and O(1);
     per-request bookkeeping is dropped when the request ends (nothing accumulates)."""
 
-    def __init__(self, engine: Any, *, attach: bool = True) -> None:
+    def __init__(self, engine: Engine, *, attach: bool = True) -> None:
         self.engine = engine
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry

@@ -13,20 +13,25 @@ import socket
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, nullcontext
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING
 
 import trio
 
 from ..heap import frozen_heap
 from .app import create_app
+from .asgi import ASGIApp
 from .connections import CUT_TIMEOUT_S, bind_socket, serve_asgi
 from .guard import DEFAULT_MAX_BODY_BYTES
 from .lifecycle import ServerLifecycle
 
+if TYPE_CHECKING:
+    from ..config.pipeline import PipelineConfig
+    from ..engine.engine import Engine
+
 __all__ = ["serve_engine", "serve_http"]
 
 
-def _lifecycle_of(app: Any) -> ServerLifecycle:
+def _lifecycle_of(app: ASGIApp) -> ServerLifecycle:
     # an app from create_app shares its lifecycle; a foreign ASGI app gets a fresh one
     # (it is not told of the cut, its connections are still closed in bounded time)
     state = getattr(app, "state", None)
@@ -35,14 +40,14 @@ def _lifecycle_of(app: Any) -> ServerLifecycle:
 
 
 async def serve_http(
-    engine: Any,
+    engine: Engine,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     grace_period: float = 10.0,
-    app: Any = None,
+    app: ASGIApp | None = None,
     sock: socket.socket | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     cut_timeout: float = CUT_TIMEOUT_S,
@@ -71,7 +76,7 @@ async def serve_http(
 
 
 async def serve_engine(
-    config: Any | Mapping[str, Any] | str | os.PathLike[str],
+    config: PipelineConfig | Mapping[str, object] | str | os.PathLike[str],
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -79,10 +84,10 @@ async def serve_engine(
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     grace_period: float = 10.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    on_ready: Callable[[Any, int], object] | None = None,
-    enter_engine: Callable[[Any], AbstractAsyncContextManager[Any]] | None = None,
+    on_ready: Callable[[Engine, int], object] | None = None,
+    enter_engine: Callable[[Engine], AbstractAsyncContextManager[object]] | None = None,
     freeze_heap: bool = True,
-    **overrides: Any,
+    **overrides: object,
 ) -> None:
     """Serve a pipeline over HTTP: load ``config``, listen on ``host:port`` (reported with
     ``task_status.started(port)`` before any stage starts), start the engine's stages

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..errors import InvalidRequestError, StageAborted, StageError
-from ..outputs import Payload
 from ._running import RunningRequest, request_outcome
 from .emit import Emit, Emitter
 from .replica import ReplicaView
@@ -166,8 +165,8 @@ class RequestTable:
     async def interact(
         self,
         request_id: str,
-        payload: Payload,
-        hook: Callable[[str, Payload], Awaitable[bool | None]],
+        payload: object,
+        hook: Callable[[str, object], Awaitable[bool | None]],
     ) -> bool:
         """Deliver ``payload`` to running ``request_id`` through ``hook`` (the backend's
         ``_interact``); see :meth:`StageBackend.interact

@@ -15,13 +15,12 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 import trio
 
 from ..errors import ReplicaDeadError, StageRPCError
-from ..outputs import Payload
 from .replica import ReplicaView
 
 __all__ = ["RpcCalls", "RpcHook"]
 
 #: a backend's ``_rpc``: (method, args, kwargs) -> result
-RpcHook = Callable[[str, tuple[Payload, ...], dict[str, Payload]], Awaitable[Payload]]
+RpcHook = Callable[[str, tuple[object, ...], dict[str, object]], Awaitable[object]]
 
 
 class RpcCalls:
@@ -39,10 +38,10 @@ class RpcCalls:
     async def call(
         self,
         method: str,
-        args: Sequence[Payload] | None,
-        kwargs: Mapping[str, Payload] | None,
+        args: Sequence[object] | None,
+        kwargs: Mapping[str, object] | None,
         hook: RpcHook,
-    ) -> Payload:
+    ) -> object:
         """Call ``hook(method, args, kwargs)`` as one RPC on the replica (``None`` args or
         kwargs mean none); see :meth:`StageBackend.collective_rpc
         <omni_trio.stages.backend.StageBackend.collective_rpc>` for the contract. Checkpoints."""

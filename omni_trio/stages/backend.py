@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..errors import InvalidRequestError, ReplicaDeadError, StageRPCError, StageStopError
-from ..outputs import Payload, ReplicaState, ReplicaStatistics, SamplingParams
+from ..outputs import ReplicaState, ReplicaStatistics, SamplingParams
 from ._request_table import RequestTable
 from ._rpc_calls import RpcCalls
 from .emit import Emit
@@ -114,8 +114,8 @@ class StageBackend(abc.ABC):
         """Run one request, calling ``emit`` per output. Cancellation must abort it."""
 
     async def _rpc(
-        self, method: str, args: tuple[Payload, ...], kwargs: dict[str, Payload]
-    ) -> Payload:
+        self, method: str, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> object:
         raise StageRPCError(
             f"stage {self.stage_id!r} ({self.backend_name}) has no rpc method {method!r}",
             stage_id=self.stage_id,
@@ -301,7 +301,7 @@ class StageBackend(abc.ABC):
         """Whether ``request_id`` is running on this replica now. Synchronous."""
         return request_id in self._requests
 
-    async def interact(self, request_id: str, payload: Payload) -> bool:
+    async def interact(self, request_id: str, payload: object) -> bool:
         """Deliver an interaction (a control payload) to a request running on this replica.
 
         Returns ``True`` once the backend accepted it (its ``_interact`` hook returned),
@@ -319,7 +319,7 @@ class StageBackend(abc.ABC):
         """Whether this backend implements ``_interact`` (the base class takes none)."""
         return type(self)._interact is not StageBackend._interact
 
-    async def _interact(self, request_id: str, payload: Payload) -> bool | None:
+    async def _interact(self, request_id: str, payload: object) -> bool | None:
         """Accept an interaction for a request running here (:meth:`interact` checked that it
         is). Default: this backend takes none, :class:`InvalidRequestError` naming the stage.
         Called in the caller's task; return once the payload is accepted, or return ``False``
@@ -354,9 +354,9 @@ class StageBackend(abc.ABC):
     async def collective_rpc(
         self,
         method: str,
-        args: Sequence[Payload] | None = None,
-        kwargs: Mapping[str, Payload] | None = None,
-    ) -> Payload:
+        args: Sequence[object] | None = None,
+        kwargs: Mapping[str, object] | None = None,
+    ) -> object:
         """Call ``method`` on this replica (``None`` args or kwargs mean none).
 
         Checkpoints; cancelling the caller cancels the call. Raises :class:`ReplicaDeadError`

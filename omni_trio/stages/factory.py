@@ -23,7 +23,7 @@ from .backend import StageBackend
 __all__ = ["RAY_BACKEND", "BackendFactory", "create_backend", "resolve_factory"]
 
 #: builds one replica's backend: ``factory(config, stage_index=..., replica=...)``
-BackendFactory = Callable[..., StageBackend]
+BackendFactory = Callable[..., StageBackend]  # type: ignore[explicit-any]
 
 #: the backend a stage placed on Ray gets (it builds the stage's own backend in an actor)
 RAY_BACKEND = "omni_trio.backends.ray.backend:RayBackend"

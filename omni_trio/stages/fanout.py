@@ -10,7 +10,6 @@ import trio
 
 from ..errors import CollectiveRPCTimeoutError, InvalidRequestError, StageRPCError
 from ..failures import describe_failures, group_causes
-from ..outputs import Payload
 from .backend import StageBackend
 
 __all__ = ["call_replicas", "check_rpc_timeout"]
@@ -31,11 +30,11 @@ async def call_replicas(
     stage_id: str,
     replicas: Sequence[StageBackend],
     method: str,
-    args: Sequence[Payload] | None,
-    kwargs: Mapping[str, Payload] | None,
+    args: Sequence[object] | None,
+    kwargs: Mapping[str, object] | None,
     *,
     timeout: float | None,  # noqa: ASYNC109 (the engine's API passes it through)
-) -> list[Payload]:
+) -> list[object]:
     """Call ``method`` on each of ``replicas`` concurrently; one result per replica, in
     order. Checkpoints; cancelling the caller cancels every call. Raises
     :class:`CollectiveRPCTimeoutError` naming the replicas that did not answer within
@@ -47,7 +46,7 @@ async def call_replicas(
     except InvalidRequestError:
         await trio.lowlevel.checkpoint()
         raise
-    results: list[Payload] = [None] * len(replicas)
+    results: list[object] = [None] * len(replicas)
     answered = [False] * len(replicas)
     errors: list[Exception | None] = [None] * len(replicas)
 

@@ -44,7 +44,7 @@ from ..errors import (
     StageStopError,
 )
 from ..failures import describe_failures, group_causes
-from ..outputs import Payload, StageStatistics
+from ..outputs import StageStatistics
 from .backend import StageBackend
 from .balancing import Balancer
 from .binding import ReplicaBinder
@@ -478,11 +478,11 @@ class StagePool:
     async def collective_rpc(
         self,
         method: str,
-        args: Sequence[Payload] | None = None,
-        kwargs: Mapping[str, Payload] | None = None,
+        args: Sequence[object] | None = None,
+        kwargs: Mapping[str, object] | None = None,
         *,
         timeout: float | None = None,  # noqa: ASYNC109 (the engine's API passes it through)
-    ) -> list[Payload]:
+    ) -> list[object]:
         """Call ``method`` on every replica concurrently; one result per replica, in order.
 
         Checkpoints; cancelling the caller cancels every call. Raises

@@ -3,7 +3,7 @@
 A processor is a plain function (pure: no I/O, no checkpoints)::
 
     def processor(upstream: Mapping[str, Sequence[StageOutput]], *, final: bool,
-                  options: Mapping[str, Any],
+                  options: Mapping[str, object],
                   context: StageContext | None = None) -> StageInput | None
 
 ``upstream`` maps each upstream stage id (in the stage's ``inputs`` order) to outputs:
@@ -31,7 +31,7 @@ import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, SupportsInt, cast
 
 from ..config.dotted import import_dotted
 from ..outputs import Prompt, SamplingParams, StageInput, StageOutput
@@ -50,7 +50,7 @@ __all__ = [
     "token_handoff",
 ]
 
-InputProcessor = Callable[..., StageInput | None]
+InputProcessor = Callable[..., StageInput | None]  # type: ignore[explicit-any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +110,7 @@ def token_handoff(
     upstream: Mapping[str, Sequence[StageOutput]],
     *,
     final: bool,
-    options: Mapping[str, Any] | None = None,
+    options: Mapping[str, object] | None = None,
     context: StageContext | None = None,
 ) -> StageInput | None:
     """The default processor: upstream token ids (concatenated in ``inputs`` order) become
@@ -125,7 +125,7 @@ def token_handoff(
     opts = options or {}
     tokens: list[int] = []
     texts: list[str] = []
-    datas: list[Any] = []
+    datas: list[object] = []
     sources = []
     for source, outs in upstream.items():
         if ":" in source and source.rpartition(":")[0] in upstream:
@@ -140,16 +140,17 @@ def token_handoff(
     if "mapping" not in opts and "offset" not in opts and "vocab_size" not in opts:
         mapped = tuple(tokens)  # nothing to map (the usual case): no work per token
     else:
-        mapping = opts.get("mapping")
+        # the config's values as given: a wrong one raises its TypeError or ValueError here
+        mapping = cast("Mapping[SupportsInt, SupportsInt] | None", opts.get("mapping"))
         mapped = map_tokens(
             tokens,
-            offset=int(opts.get("offset", 0)),
+            offset=int(cast(SupportsInt, opts.get("offset", 0))),
             mapping=None if mapping is None else {int(k): int(v) for k, v in mapping.items()},
-            vocab_size=opts.get("vocab_size"),
+            vocab_size=cast("int | None", opts.get("vocab_size")),
         )
     if not mapped and not datas and not final and not texts:
         return None
-    data: Any = None if not datas else datas[0] if len(datas) == 1 else datas
+    data: object = None if not datas else datas[0] if len(datas) == 1 else datas
     prompt = "".join(texts) if opts.get("include_text") and texts else None
     return StageInput(
         prompt=prompt,
@@ -164,7 +165,7 @@ def passthrough(
     upstream: Mapping[str, Sequence[StageOutput]],
     *,
     final: bool,
-    options: Mapping[str, Any] | None = None,
+    options: Mapping[str, object] | None = None,
     context: StageContext | None = None,
 ) -> StageInput | None:
     """Hand everything on unchanged: token ids, text (as ``prompt``) and data."""
@@ -175,7 +176,7 @@ def original_prompt(
     upstream: Mapping[str, Sequence[StageOutput]],
     *,
     final: bool,
-    options: Mapping[str, Any] | None = None,
+    options: Mapping[str, object] | None = None,
     context: StageContext | None = None,
 ) -> StageInput | None:
     """The stage takes the request's original prompt, not its upstream's tokens
@@ -195,7 +196,7 @@ def original_prompt(
     opts = options or {}
     prompt = context.prompt
     datas = [o.data for outs in upstream.values() for o in outs if o.data is not None]
-    data: Any = None if not datas else datas[0] if len(datas) == 1 else datas
+    data: object = None if not datas else datas[0] if len(datas) == 1 else datas
     source = ",".join(upstream) or None
     if isinstance(prompt, str):
         text = prompt
@@ -209,7 +210,7 @@ def original_prompt(
     return StageInput(token_ids=tuple(prompt), data=data, final=True, source=source)
 
 
-def reads_text(processor: InputProcessor, options: Mapping[str, Any] | None) -> bool:
+def reads_text(processor: InputProcessor, options: Mapping[str, object] | None) -> bool:
     """Whether ``processor`` (with its stage's ``processor_options``) may read its upstream
     outputs' text. Pure. False only for the built-ins that do not: :func:`token_handoff`
     without ``include_text`` and :func:`original_prompt` without ``include_upstream_text``;
@@ -222,7 +223,7 @@ def reads_text(processor: InputProcessor, options: Mapping[str, Any] | None) -> 
     return True
 
 
-def accepts_context(func: Callable[..., object]) -> bool:
+def accepts_context(func: Callable[..., object]) -> bool:  # type: ignore[explicit-any]
     """Whether ``func`` takes a ``context`` keyword (or ``**kwargs``). Pure; a callable
     whose signature cannot be read is taken not to."""
     try:
@@ -239,14 +240,14 @@ def accepts_context(func: Callable[..., object]) -> bool:
     )
 
 
-def _without_context(func: Callable[..., StageInput | None]) -> InputProcessor:
+def _without_context(func: Callable[..., StageInput | None]) -> InputProcessor:  # type: ignore[explicit-any]
     # a processor written before `context` existed: called as it always was
     @functools.wraps(func)
     def call(
         upstream: Mapping[str, Sequence[StageOutput]],
         *,
         final: bool,
-        options: Mapping[str, Any],
+        options: Mapping[str, object],
         context: StageContext | None = None,
     ) -> StageInput | None:
         return func(upstream, final=final, options=options)

@@ -305,7 +305,7 @@ class _Consumer(Generic[T]):
         "_task",
     )
 
-    def __init__(
+    def __init__(  # type: ignore[explicit-any]
         self,
         take: Callable[..., tuple[T] | tuple[()]],
         core: Core[T],

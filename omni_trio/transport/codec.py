@@ -29,14 +29,17 @@ from __future__ import annotations
 import pickle
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import msgspec
 from msgspec.msgpack import Ext
 
 from ..context import RequestContext
 from ..errors import CodecError
-from ..outputs import Payload, StageInput, StageOutput
+from ..outputs import StageInput, StageOutput
+
+if TYPE_CHECKING:
+    import numpy
 
 __all__ = [
     "decode_context",
@@ -64,7 +67,7 @@ _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # MessagePack's integers
 class _Input(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     prompt: str | None
     token_ids: tuple[int, ...]
-    data: Any  # a prepared payload (see _prepare)
+    data: object  # a prepared payload (see _prepare)
     final: bool
     source: str | None
 
@@ -72,10 +75,10 @@ class _Input(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields
 class _Output(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     token_ids: tuple[int, ...]
     text: str
-    data: Any
+    data: object
     finished: bool
     finish_reason: str | None
-    metrics: dict[str, Any] | None
+    metrics: dict[str, object] | None
 
 
 class _Inputs(msgspec.Struct, array_like=True, frozen=True, tag="inputs"):
@@ -88,49 +91,56 @@ class _Outputs(msgspec.Struct, array_like=True, frozen=True, tag="outputs"):
 
 class _Context(msgspec.Struct, array_like=True, frozen=True, tag="context"):
     request_id: str
-    prompt: Any
-    sampling_params: dict[str, Any]
+    prompt: object
+    sampling_params: dict[str, object]
     priority: int
     arrival_time: float | None
-    lora_request: Any
+    lora_request: object
     trace_headers: dict[str, str] | None
-    tokenization_kwargs: dict[str, Any] | None
+    tokenization_kwargs: dict[str, object] | None
     streaming_input: bool
 
 
 class _Value(msgspec.Struct, array_like=True, frozen=True, tag="value"):
-    value: Any
+    value: object
 
 
 # -- payloads: any value to MessagePack's own types plus extensions, and back ---------------
 
 
-def _prepare(obj: Payload) -> Payload:
+def _prepare(obj: object) -> object:
     """``obj`` with every value MessagePack would not give back as it was replaced by an
     :class:`Ext`. Returns ``obj`` itself when nothing needed replacing (no copy)."""
+    # exact types, not isinstance: a subclass (an IntEnum, a namedtuple) is pickled whole
     t = type(obj)
     if t in _LEAVES:
         return obj
     if t is int:
-        return obj if _INT_MIN <= obj <= _INT_MAX else _pickled(obj)
+        return obj if _INT_MIN <= cast(int, obj) <= _INT_MAX else _pickled(obj)
     if t is list:
-        items = [_prepare(x) for x in obj]
-        return obj if all(a is b for a, b in zip(items, obj, strict=True)) else items
+        seq = cast("list[object]", obj)
+        items = [_prepare(x) for x in seq]
+        return obj if all(a is b for a, b in zip(items, seq, strict=True)) else items
     if t is tuple:
-        return Ext(_TUPLE, _ENCODER.encode([_prepare(x) for x in obj]))
+        return Ext(_TUPLE, _ENCODER.encode([_prepare(x) for x in cast("tuple[object, ...]", obj)]))
     if t is dict:
-        if not all(type(k) is str or (type(k) is int and _INT_MIN <= k <= _INT_MAX) for k in obj):
+        mapping = cast("dict[object, object]", obj)
+        if not all(
+            type(k) is str or (type(k) is int and _INT_MIN <= k <= _INT_MAX) for k in mapping
+        ):
             return _pickled(obj)  # tuple, float, object keys: MessagePack maps cannot say
-        prepared = {k: _prepare(v) for k, v in obj.items()}
-        return obj if all(prepared[k] is v for k, v in obj.items()) else prepared
+        prepared = {k: _prepare(v) for k, v in mapping.items()}
+        return obj if all(prepared[k] is v for k, v in mapping.items()) else prepared
     np = sys.modules.get("numpy")  # no numpy imported: no value is an array
-    if np is not None and t is np.ndarray and not obj.dtype.hasobject and obj.dtype.fields is None:
-        data = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
-        return Ext(_NDARRAY, _ENCODER.encode((obj.dtype.str, obj.shape, data.data)))
+    if np is not None and t is np.ndarray:
+        array = cast("numpy.ndarray[tuple[int, ...], numpy.dtype[numpy.generic[object]]]", obj)
+        if not array.dtype.hasobject and array.dtype.fields is None:
+            data = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+            return Ext(_NDARRAY, _ENCODER.encode((array.dtype.str, array.shape, data.data)))
     return _pickled(obj)
 
 
-def _pickled(obj: Payload) -> Ext:
+def _pickled(obj: object) -> Ext:
     try:
         return Ext(_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
     except Exception as exc:
@@ -163,7 +173,7 @@ class _BadPayload(Exception):
         super().__init__(reason)
 
 
-def _ext_hook(code: int, data: memoryview) -> Payload:
+def _ext_hook(code: int, data: memoryview) -> object:
     # ``data`` is a view into the message: everything returned is copied out of it
     try:
         if code == _TUPLE:
@@ -276,7 +286,7 @@ def decode_outputs(data: bytes) -> list[StageOutput]:
     ]
 
 
-def _plain(name: str, mapping: Mapping[str, Payload] | None) -> dict[str, Payload] | None:
+def _plain(name: str, mapping: Mapping[str, object] | None) -> dict[str, object] | None:
     """A str-keyed mapping's prepared copy (its keys cross as MessagePack strings)."""
     if mapping is None:
         return None
@@ -299,7 +309,8 @@ def encode_context(ctx: RequestContext) -> bytes:
             ctx.priority,
             ctx.arrival_time,
             _prepare(ctx.lora_request),
-            _plain("trace_headers", ctx.trace_headers),
+            # str values are their own prepared form (a wrong one fails the decode's check)
+            cast("dict[str, str] | None", _plain("trace_headers", ctx.trace_headers)),
             _plain("tokenization_kwargs", ctx.tokenization_kwargs),
             ctx.streaming_input,
         )

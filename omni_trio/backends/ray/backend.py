@@ -39,6 +39,7 @@ import msgspec
 import outcome
 import trio
 
+from ...config.stage import StageConfig
 from ...errors import (
     InvalidRequestError,
     ReplicaDeadError,
@@ -46,7 +47,7 @@ from ...errors import (
     StageStartError,
     StageStopError,
 )
-from ...outputs import Payload, StageInput
+from ...outputs import SamplingParams, StageInput
 from ...stages.backend import StageBackend
 from ...stages.emit import Emit, never, nowait_of
 from ...stages.input_stream import InputStream, collect_input
@@ -88,7 +89,7 @@ class RayBackend(StageBackend):
 
     backend_name = "ray"
 
-    def __init__(self, config: Any, *, stage_index: int, replica: int = 0) -> None:
+    def __init__(self, config: StageConfig, *, stage_index: int, replica: int = 0) -> None:
         super().__init__(config, stage_index=stage_index, replica=replica)
         assert config.placement is not None and config.placement.ray is not None
         self._placement = config.placement.ray
@@ -220,7 +221,7 @@ class RayBackend(StageBackend):
         return context is not None and context.streaming_input and not self.config.inputs
 
     async def _run(
-        self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
+        self, request_id: str, inputs: InputStream, sampling_params: SamplingParams, emit: Emit
     ) -> None:
         # registered before the first checkpoint: an interaction finds it as soon as the
         # request runs here
@@ -238,7 +239,7 @@ class RayBackend(StageBackend):
         self,
         request_id: str,
         inputs: InputStream,
-        sampling_params: Any,
+        sampling_params: SamplingParams,
         emit: Emit,
         started: trio.Event,
     ) -> None:
@@ -341,8 +342,8 @@ class RayBackend(StageBackend):
         await self._link.call(self._actor.end_input.remote(request_id))
 
     async def _rpc(
-        self, method: str, args: tuple[Payload, ...], kwargs: dict[str, Payload]
-    ) -> Payload:
+        self, method: str, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> object:
         assert self._link is not None
         reply = codec.decode_value(
             await self._link.call(
@@ -355,7 +356,7 @@ class RayBackend(StageBackend):
             raise_record(reply["__error__"], "")
         return reply
 
-    async def _interact(self, request_id: str, payload: Payload) -> bool:
+    async def _interact(self, request_id: str, payload: object) -> bool:
         # Sent once the actor's host has the request (STARTED): sent earlier, it could reach
         # the host first and be refused there. The remote call is shielded (bounded): once
         # sent, the payload may be delivered, and a cancellation must not report otherwise.

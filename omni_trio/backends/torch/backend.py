@@ -59,8 +59,9 @@ from typing import Any
 import trio
 
 from ...config.options import TorchOptions, parse_torch_options, split_torch_options
+from ...config.stage import StageConfig
 from ...errors import BackendUnavailableError, StageError
-from ...outputs import StageInput, StageOutput
+from ...outputs import SamplingParams, StageInput, StageOutput
 from ...stages.backend import StageBackend
 from ...stages.emit import Emit
 from ...stages.input_stream import InputStream
@@ -144,7 +145,7 @@ class TorchBackend(StageBackend):
 
     backend_name = "torch"
 
-    def __init__(self, config: Any, *, stage_index: int, replica: int = 0) -> None:
+    def __init__(self, config: StageConfig, *, stage_index: int, replica: int = 0) -> None:
         super().__init__(config, stage_index=stage_index, replica=replica)
         if "torch" not in sys.modules and importlib.util.find_spec("torch") is None:
             raise BackendUnavailableError(
@@ -271,7 +272,7 @@ class TorchBackend(StageBackend):
 
     # -- requests ------------------------------------------------------------------------
     async def _run(
-        self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
+        self, request_id: str, inputs: InputStream, sampling_params: SamplingParams, emit: Emit
     ) -> None:
         assert self._info is not None
         info = self._info
@@ -312,7 +313,9 @@ class TorchBackend(StageBackend):
             await emit(_output(info, None, 0, chunk_index, True))
 
     # -- control -------------------------------------------------------------------------
-    async def _rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    async def _rpc(
+        self, method: str, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> object:
         info = self._info
         assert info is not None
         described = info.describe()

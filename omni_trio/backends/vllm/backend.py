@@ -86,8 +86,9 @@ import outcome
 import trio
 
 from ...config.options import VllmOptions, parse_options
+from ...config.stage import StageConfig
 from ...errors import ReplicaDeadError
-from ...outputs import StageInput
+from ...outputs import SamplingParams, StageInput
 from ...stages.backend import StageBackend
 from ...stages.emit import Emit, nowait_of
 from ...stages.input_stream import InputStream, collect_input
@@ -127,7 +128,7 @@ class VllmBackend(StageBackend):
 
     backend_name = "vllm"
 
-    def __init__(self, config: Any, *, stage_index: int, replica: int = 0) -> None:
+    def __init__(self, config: StageConfig, *, stage_index: int, replica: int = 0) -> None:
         super().__init__(config, stage_index=stage_index, replica=replica)
         self._thread: threading.Thread | None = None
         self._worker: EngineWorker | None = None
@@ -280,7 +281,7 @@ class VllmBackend(StageBackend):
 
     # -- requests -----------------------------------------------------------------------------
     async def _run(
-        self, request_id: str, inputs: InputStream, sampling_params: Any, emit: Emit
+        self, request_id: str, inputs: InputStream, sampling_params: SamplingParams, emit: Emit
     ) -> None:
         if not self._takes_segments(request_id):
             await self._submit(request_id, await collect_input(inputs), sampling_params, emit)
@@ -320,7 +321,7 @@ class VllmBackend(StageBackend):
         self,
         request_id: str,
         prompt: StageInput,
-        sampling_params: Any,
+        sampling_params: SamplingParams,
         emit: Emit,
         *,
         segmented: bool = False,
@@ -388,7 +389,7 @@ class VllmBackend(StageBackend):
         if scope.cancelled_caught:
             logger.warning("%s: abort of %r not confirmed in time", self.name, request_id)
 
-    async def _rpc(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    async def _rpc(self, method: str, args: Sequence[object], kwargs: dict[str, object]) -> object:
         assert self._worker is not None
         reply_tx, reply_rx = open_bridge(1, name=f"{self.name}:rpc:{method}")
         try:
