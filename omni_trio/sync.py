@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from types import TracebackType
-from typing import Any
+from typing import TypeAlias
 
 import trio
 from anyio.from_thread import BlockingPortal
@@ -25,8 +25,11 @@ from .config.pipeline import PipelineConfig
 from .engine.engine import Engine
 from .engine.engine import open_engine as _open_engine
 from .engine.health import HealthReport
-from .outputs import EngineStatistics, OmniOutput
+from .outputs import EngineStatistics, OmniOutput, Prompt, SamplingParams
 from .transport.loop_host import open_trio_portal
+
+#: what ``open_engine`` takes: a config, a mapping or a path to a config file
+EngineConfig: TypeAlias = PipelineConfig | Mapping[str, object] | str | os.PathLike[str]
 
 __all__ = ["SyncEngine", "open_engine"]
 
@@ -41,9 +44,9 @@ class SyncEngine:
 
     def generate(
         self,
-        prompt: Any,
+        prompt: Prompt,
         request_id: str | None = None,
-        sampling_params: Any = None,
+        sampling_params: SamplingParams = None,
         final_stage_id: str | int | None = None,
         output_stages: Sequence[str | int] | None = None,
     ) -> Iterator[OmniOutput]:
@@ -69,11 +72,11 @@ class SyncEngine:
     def collective_rpc(
         self,
         method: str,
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
+        args: Sequence[object] | None = (),
+        kwargs: Mapping[str, object] | None = None,
         stage_ids: Sequence[str | int] | None = None,
         timeout: float | None = None,
-    ) -> list[Any]:
+    ) -> list[object]:
         """``Engine.collective_rpc``, blocking."""
         return self._portal.call(
             lambda: self.engine.collective_rpc(method, args, kwargs, stage_ids, timeout)
@@ -82,7 +85,7 @@ class SyncEngine:
     def statistics(self) -> EngineStatistics:
         return self._portal.call(self.engine.statistics)
 
-    def interact(self, request_id: str, payload: Any) -> bool:
+    def interact(self, request_id: str, payload: object) -> bool:
         """``Engine.interact``: blocks until the request's entry stage accepted the payload;
         ``False`` for an unknown or ended request."""
         return self._portal.call(self.engine.interact, request_id, payload)
@@ -112,7 +115,7 @@ class SyncEngine:
 
 
 class _SyncSession(AbstractContextManager["SyncEngine"]):
-    def __init__(self, config: Any, overrides: dict[str, Any]) -> None:
+    def __init__(self, config: EngineConfig, overrides: dict[str, object]) -> None:
         self._config = config
         self._overrides = overrides
         self._stack = ExitStack()
@@ -134,9 +137,7 @@ class _SyncSession(AbstractContextManager["SyncEngine"]):
         self._stack.__exit__(exc_type, exc, tb)
 
 
-def open_engine(
-    config: PipelineConfig | Mapping[str, Any] | str | os.PathLike[str], **overrides: Any
-) -> AbstractContextManager[SyncEngine]:
+def open_engine(config: EngineConfig, **overrides: object) -> AbstractContextManager[SyncEngine]:
     """``with open_engine(cfg) as engine:`` - start the pipeline on a trio loop in a thread
     of its own; leaving the block closes it there (aborting requests, stopping stages) and
     joins the thread, as the interpreter's exit does for an engine never closed. Raises

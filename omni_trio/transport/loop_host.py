@@ -49,7 +49,9 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, Final, Literal, TypeVar, get_args
+from functools import partial
+from types import ModuleType
+from typing import Final, Literal, TypeVar, TypeVarTuple, Unpack, cast, get_args
 
 from anyio.from_thread import BlockingPortal
 
@@ -68,13 +70,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 LoopKind = Literal["asyncio", "trio-asyncio"]
 LOOP_KINDS: Final[tuple[LoopKind, ...]] = get_args(LoopKind)
 #: the package extra that installs what the ``trio-asyncio`` kind needs
 TRIO_ASYNCIO_EXTRA: Final = "trio-asyncio"
 
-Main = Callable[[], Coroutine[Any, Any, None]]
+Main = Callable[[], Coroutine[object, object, None]]
 
 _NEW: Final = "new"
 _RUNNING: Final = "running"
@@ -91,7 +94,7 @@ def require_loop(kind: LoopKind) -> None:
         _trio_asyncio()
 
 
-def _trio_asyncio() -> Any:
+def _trio_asyncio() -> ModuleType:
     try:
         import trio_asyncio
     except ImportError as exc:
@@ -99,7 +102,7 @@ def _trio_asyncio() -> Any:
             f"loop: trio-asyncio needs trio-asyncio ({exc.name or exc}); install "
             f"'omni-trio[{TRIO_ASYNCIO_EXTRA}]'"
         ) from exc
-    return trio_asyncio
+    return cast(ModuleType, trio_asyncio)  # untyped: mypy sees Any
 
 
 class LoopHost:
@@ -117,7 +120,7 @@ class LoopHost:
         self._lock = threading.Lock()
         self._state: str = _NEW
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pending: list[tuple[Callable[..., object], tuple[Any, ...]]] = []
+        self._pending: list[Callable[[], object]] = []
         self._stop_requested = threading.Event()
         self._stopping: asyncio.Event | None = None  # on the loop, once it runs
         self._ran = False
@@ -185,8 +188,8 @@ class LoopHost:
             pending, self._pending = self._pending, []
         if self._stop_requested.is_set():
             self._stopping.set()
-        for callback, args in pending:
-            loop.call_soon(callback, *args)
+        for call in pending:
+            loop.call_soon(call)
         try:
             await main()
         finally:
@@ -197,13 +200,13 @@ class LoopHost:
             self._state = _ENDED
             self._pending.clear()
 
-    def call_soon_threadsafe(self, callback: Callable[..., object], *args: Any) -> bool:
+    def call_soon_threadsafe(self, callback: Callable[[Unpack[Ts]], object], *args: *Ts) -> bool:
         """Have the loop call ``callback(*args)`` soon, in order with the other calls; before
         the loop runs, as soon as it does. ``False`` (and nothing is called) once the worker
         has ended. Thread-safe, never blocks, does not wait for the call."""
         with self._lock:
             if self._state == _NEW:
-                self._pending.append((callback, args))
+                self._pending.append(partial(callback, *args))
                 return True
             if self._state == _ENDED:
                 return False
@@ -212,7 +215,7 @@ class LoopHost:
             self._loop.call_soon_threadsafe(callback, *args)
             return True
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    def submit(self, coro: Coroutine[object, object, T]) -> concurrent.futures.Future[T]:
         """Run ``coro`` as a task on the loop (before the loop runs, as soon as it does); its
         outcome in the returned future. Cancelling the future cancels the task; a task still
         running when the worker ends is cancelled (the loop's close), and so is its future.
@@ -225,7 +228,7 @@ class LoopHost:
         return future
 
     def _start_task(
-        self, coro: Coroutine[Any, Any, T], future: concurrent.futures.Future[T]
+        self, coro: Coroutine[object, object, T], future: concurrent.futures.Future[T]
     ) -> None:
         # on the loop. The future stays pending until the task is done, so that the caller
         # can still cancel it (a running concurrent future cannot be cancelled)
@@ -380,21 +383,23 @@ def open_trio_portal(*, name: str) -> Iterator[BlockingPortal]:
             raise failed[0]
 
 
-def _even_out(loop: asyncio.AbstractEventLoop, trio_executor: type[Any]) -> None:
+def _even_out(loop: asyncio.AbstractEventLoop, trio_executor: type[object]) -> None:
     """Make a trio-asyncio loop take what an asyncio loop takes (the module docstring)."""
     own = loop.run_in_executor
 
     def run_in_executor(
-        executor: concurrent.futures.Executor | None, func: Callable[..., Any], *args: Any
-    ) -> asyncio.Future[Any]:
+        executor: concurrent.futures.Executor | None,
+        func: Callable[[Unpack[Ts]], T],
+        *args: *Ts,
+    ) -> asyncio.Future[T]:
         if executor is None or isinstance(executor, trio_executor):
             return own(executor, func, *args)
         return asyncio.wrap_future(executor.submit(func, *args), loop=loop)
 
-    loop.run_in_executor = run_in_executor  # type: ignore[method-assign,assignment]
+    loop.run_in_executor = run_in_executor  # type: ignore[method-assign]
     loop.set_exception_handler(_log_like_asyncio)
 
 
-def _log_like_asyncio(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+def _log_like_asyncio(loop: asyncio.AbstractEventLoop, context: dict[str, object]) -> None:
     # asyncio's own default handler: it logs (trio-asyncio's raises into the loop)
     asyncio.BaseEventLoop.default_exception_handler(loop, context)  # type: ignore[arg-type]
