@@ -35,7 +35,6 @@ Metrics: TypeAlias = Mapping[str, object]
 #: A request's prompt: text, token ids, or a prompt dict (vLLM's, multimodal data included).
 Prompt: TypeAlias = str | Sequence[int] | Mapping[str, object]
 
-#: a replica's life: starting -> ready -> dead (failed after or during start) | stopped
 #: a replica's life: ``starting`` -> ``ready`` -> (``draining`` while removed) -> ``stopped``;
 #: ``dead`` when it failed, ``restarting`` while a replacement (same index) is on its way
 ReplicaState = Literal["starting", "ready", "draining", "dead", "restarting", "stopped"]
