@@ -33,7 +33,7 @@ os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 import trio
 
 # benchmarks/ is on sys.path (this file runs as a script)
-from _vllm_pipeline_cells import omni_batch, omni_config
+from harness.vllm_cells import omni_batch, omni_config
 
 import omni_trio
 from omni_trio.heap import frozen_heap

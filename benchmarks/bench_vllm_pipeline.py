@@ -23,7 +23,7 @@ Systems, each run in a fresh subprocess:
   (above 1: trio-asyncio's loop is faster, or costs more CPU).
 - ``trio`` (only with ``--systems``): the floor under omni-trio's design, the least a trio
   program pays to drive the same engines from worker threads with no orchestrator
-  (``_vllm_pipeline_trio.py``). ``trio_ratio`` and ``trio_cpu_ratio`` compare it with
+  (``harness/vllm_trio.py``). ``trio_ratio`` and ``trio_cpu_ratio`` compare it with
   ``hand`` as ``ratio`` and ``cpu_ratio`` compare omni-trio: what the design costs, and what
   omni-trio adds on top of it.
 - ``shared`` (only with ``--systems``): the same floor with every engine on one shared worker
@@ -84,10 +84,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 # benchmarks/ is on sys.path (this file runs as a script, also in its subprocesses)
-from _vllm_pipeline_cells import DEFAULT_SYSTEMS, LAYOUTS, SYSTEMS, Run, cell_name, plan_runs
-from _vllm_pipeline_child import child_main
-from _vllm_pipeline_procs import leftover
-from _vllm_pipeline_summary import describe, rounded, summarize_cell, summary_row
+from harness.vllm_cells import DEFAULT_SYSTEMS, LAYOUTS, SYSTEMS, Run, cell_name, plan_runs
+from harness.vllm_child import child_main
+from harness.vllm_procs import leftover
+from harness.vllm_summary import describe, rounded, summarize_cell, summary_row
 
 from omni_trio.backends.vllm.protocol import CPU_ENGINE_DEFAULTS
 

@@ -1,4 +1,4 @@
-"""The pure helpers of benchmarks/bench_vllm_pipeline.py and its _vllm_pipeline_* modules: cell
+"""The pure helpers of benchmarks/bench_vllm_pipeline.py and its harness/vllm_* modules: cell
 planning, layouts, the pipeline config, the stop breakdown, and how per-pass results become
 ratios, spreads and the summary (no vLLM here)."""
 
@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # the benchmark is a script with sibling modules, not a package: import them from its directory
 sys.path.insert(0, str(ROOT / "benchmarks"))
 bench = importlib.import_module("bench_vllm_pipeline")
-pipeline_cells = importlib.import_module("_vllm_pipeline_cells")
-procs = importlib.import_module("_vllm_pipeline_procs")
-summary = importlib.import_module("_vllm_pipeline_summary")
+pipeline_cells = importlib.import_module("harness.vllm_cells")
+procs = importlib.import_module("harness.vllm_procs")
+summary = importlib.import_module("harness.vllm_summary")
 
 
 def test_plan_runs_pairs_systems_per_cell_and_alternates_who_goes_first() -> None:

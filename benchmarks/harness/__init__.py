@@ -1,6 +1,7 @@
 """What the benchmark scripts share (each ``benchmarks/bench_*.py`` is a script: it runs with
-``benchmarks/`` on ``sys.path`` and imports this package as ``harness``). The tests never
-import it: they run the scripts (in their quick mode), and the fakes the benchmarks drive
+``benchmarks/`` on ``sys.path`` and imports this package as ``harness``). The tests run the
+scripts (in their quick mode), but for ``tests/test_bench_vllm_pipeline.py``, which imports
+the vLLM pipeline's pure summary helpers; and the fakes the benchmarks drive
 are public, tested where they live (:mod:`omni_trio.testing`).
 
 - :mod:`harness.scripted_cells`: ``bench_orchestrator.py``'s scripted-stage cells (omni-trio
@@ -8,5 +9,10 @@ are public, tested where they live (:mod:`omni_trio.testing`).
 - :mod:`harness.fake_engine_cells`: its fake engine cells (batching engines with fixed-time
   steps, :class:`omni_trio.testing.FakeEngine`, through omni-trio and chained by hand);
 - :mod:`harness.replica_cells`: the replica pool cells of ``bench_replicas.py`` (which
-  ``bench_orchestrator.py --replicas`` runs too).
+  ``bench_orchestrator.py --replicas`` runs too);
+- ``bench_vllm_pipeline.py``'s parts: :mod:`harness.vllm_cells` (the cells, systems and
+  engine settings), :mod:`harness.vllm_child` (one system on one cell, in a subprocess),
+  :mod:`harness.vllm_trio` (the no-orchestrator trio floor), :mod:`harness.vllm_procs` (the
+  processes a run spawned and what outlived it), :mod:`harness.vllm_summary` (a cell's
+  summary); ``bench_heap.py`` drives its batches through :mod:`harness.vllm_cells` too.
 """

@@ -2,7 +2,7 @@
 drives one vLLM ``AsyncLLM`` per stage from plain asyncio; ``omni`` runs the same pipeline
 through ``omni_trio.open_engine`` (``omni_ta``: with every engine's worker on trio-asyncio's
 loop); ``trio`` and ``shared`` are the floors under omni-trio's
-design (:mod:`_vllm_pipeline_trio`). All time the same batches (:func:`run_batches`) and report
+design (:mod:`harness.vllm_trio`). All time the same batches (:func:`run_batches`) and report
 the same fields (:func:`child_result`)."""
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from _vllm_pipeline_cells import (
+from omni_trio.backends.vllm.amx import request_amx
+
+from .vllm_cells import (
     OMNI_LOOPS,
     PROMPTS,
     bind_for,
@@ -23,7 +25,7 @@ from _vllm_pipeline_cells import (
     omni_config,
     stage_models,
 )
-from _vllm_pipeline_procs import (
+from .vllm_procs import (
     LEFTOVER_GRACE_S,
     ExitWatch,
     descendants,
@@ -36,14 +38,12 @@ from _vllm_pipeline_procs import (
     stop_one_by_one,
     thread_cpu,
 )
-from _vllm_pipeline_summary import (
+from .vllm_summary import (
     batch_throughput,
     cpu_ms_per_request_stage,
     cpu_split_ms_per_request_stage,
 )
-from _vllm_pipeline_trio import run_trio
-
-from omni_trio.backends.vllm.amx import request_amx
+from .vllm_trio import run_trio
 
 
 def child_main(a: argparse.Namespace) -> None:

@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from _vllm_pipeline_cells import OMNI_LOOPS, VERSUS_HAND, Run, bind_for, cell_name
+from .vllm_cells import OMNI_LOOPS, VERSUS_HAND, Run, bind_for, cell_name
 
 
 def batch_throughput(walls: Sequence[float], requests: int) -> dict[str, float]:

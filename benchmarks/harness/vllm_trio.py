@@ -29,10 +29,10 @@ import time
 from functools import partial
 from typing import Any
 
-from _vllm_pipeline_cells import PROMPTS, bind_for, engine_args, stage_models
-from _vllm_pipeline_procs import descendants, engine_groups, measure_idle, stop_one_by_one
-
 from omni_trio.transport.loop_host import LoopHost
+
+from .vllm_cells import PROMPTS, bind_for, engine_args, stage_models
+from .vllm_procs import descendants, engine_groups, measure_idle, stop_one_by_one
 
 #: (request id, token ids, finished) as the worker sends them; a failure as (id, exc, True)
 Item = tuple[str, Any, bool]
