@@ -46,6 +46,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "backends.torch": frozenset({FLOOR0, "config", "transport", "stages", "models"}),
     "backends.vllm": frozenset({FLOOR0, "config", "transport", "stages", "models"}),
     "backends.ray": frozenset({FLOOR0, "config", "transport", "stages"}),
+    "backends.talker": frozenset({FLOOR0, "config", "transport", "stages", "models"}),
     "backends": frozenset(),
     "request": frozenset({FLOOR0, "config", "transport", "stages"}),
     "engine": frozenset({FLOOR0, "config", "transport", "stages", "request"}),
@@ -73,7 +74,7 @@ ALLOWED: dict[str, frozenset[str]] = {
 #: third-party libraries only some rooms may import
 HEAVY: dict[str, frozenset[str]] = {
     "vllm": frozenset({"backends.vllm", "config"}),
-    "torch": frozenset({"backends.torch", "backends.vllm", "models"}),
+    "torch": frozenset({"backends.torch", "backends.talker", "backends.vllm", "models"}),
     "ray": frozenset({"backends.ray"}),
 }
 

@@ -12,10 +12,10 @@ import trio
 import omni_trio
 from omni_trio.config import load_config
 from omni_trio.errors import ConfigError
-from omni_trio.pipelines import PIPELINES, default_pipeline_path, pipeline_path
+from omni_trio.pipelines import default_pipeline_path, pipeline_path
 
 
-@pytest.mark.parametrize("name", PIPELINES)
+@pytest.mark.parametrize("name", ["tiny-omni", "tiny-omni-scripted"])
 def test_shipped_pipelines_load(name: str) -> None:
     cfg = load_config(pipeline_path(name))
     assert cfg.name == name and cfg.stage_ids == ["thinker", "talker", "code2wav"]
@@ -25,6 +25,20 @@ def test_shipped_pipelines_load(name: str) -> None:
     assert code2wav.output_type == "audio" and code2wav.inputs == ["talker"]
     assert code2wav.options["weights"] == "tiny:code2wav"
     assert cfg.stage("talker").default_sampling_params["max_tokens"] == 64
+
+
+def test_qwen3_omni_pipeline_loads() -> None:
+    cfg = load_config(pipeline_path("qwen3-omni"))
+    assert cfg.stage_ids == ["thinker", "talker", "code2wav"]
+    assert cfg.final_output_stages == ["thinker", "code2wav"]
+    assert [s.backend for s in cfg.stages] == ["vllm", "talker", "torch"]
+    thinker, talker, code2wav = cfg.stages
+    assert thinker.engine_args["model"] == "tiny:qwen3-omni"
+    assert thinker.engine_args["language_model_only"] is True
+    assert thinker.engine_args["dtype"] == "float32"
+    assert talker.options["model"] == code2wav.options["model"] == "tiny:qwen3-omni"
+    assert talker.input_processor == "omni_trio.models.qwen_omni.handoff:thinker_to_talker"
+    assert code2wav.stream_input and code2wav.options["chunk_size"] % 16 == 0
 
 
 def test_default_pipeline_is_tiny_omni_on_vllm() -> None:

@@ -24,7 +24,7 @@ from types import MappingProxyType
 import msgspec
 
 from ..errors import ConfigError
-from .options import ScriptedOptions, TorchOptions, VllmOptions
+from .options import ScriptedOptions, TalkerOptions, TorchOptions, VllmOptions
 
 __all__ = [
     "BACKEND_CONTRACT",
@@ -63,6 +63,9 @@ BUILTIN_BACKENDS: Mapping[str, BuiltinBackend] = MappingProxyType(
             ),
             BuiltinBackend(
                 "torch", "omni_trio.backends.torch.backend:TorchBackend", TorchOptions, "torch"
+            ),
+            BuiltinBackend(
+                "talker", "omni_trio.backends.talker.backend:TalkerBackend", TalkerOptions, "torch"
             ),
         )
     }

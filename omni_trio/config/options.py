@@ -33,6 +33,7 @@ __all__ = [
     "DEFAULT_RECORD",
     "DEFAULT_TORCH_FACTORY",
     "ScriptedOptions",
+    "TalkerOptions",
     "TorchOptions",
     "VllmLoop",
     "VllmOptions",
@@ -117,6 +118,32 @@ class TorchOptions(msgspec.Struct, frozen=True, kw_only=True):
     chunk_size: Annotated[
         int, Meta(ge=1, description="codes per streamed output chunk (stream_input)")
     ] = 16
+    torch_threads: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        Meta(description="torch.set_num_threads (process-wide; default: leave it)"),
+    ] = None
+
+
+class TalkerOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Options of the ``talker`` backend (see :mod:`omni_trio.backends.talker.backend`)."""
+
+    model: Annotated[
+        str,
+        Meta(
+            description="the Qwen-Omni checkpoint: a directory, or a tiny: preset "
+            "(tiny:qwen3-omni)",
+            min_length=1,
+        ),
+    ]
+    speaker: Annotated[
+        str, Meta(description="the voice when a request names none (sampling param speaker)")
+    ] = "ethan"
+    dtype: Annotated[
+        Literal["float32", "bfloat16", "float16"], Meta(description="the talker's weights' dtype")
+    ] = "float32"
+    max_concurrency: Annotated[
+        int, Meta(ge=1, description="decode steps running at once (worker threads)")
+    ] = 1
     torch_threads: Annotated[
         Annotated[int, Meta(ge=1)] | None,
         Meta(description="torch.set_num_threads (process-wide; default: leave it)"),

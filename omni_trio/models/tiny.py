@@ -21,15 +21,18 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import BackendUnavailableError, ConfigError
+from .building import CORPUS_WORDS, save_quietly
 from .progress import report_step
+from .qwen_omni.qwen3 import Qwen3OmniSpec, build_qwen3_omni
 
 __all__ = [
+    "FAMILY_PRESETS",
     "TINY_PRESETS",
     "TinySpec",
     "default_cache_dir",
@@ -81,6 +84,15 @@ TINY_PRESETS: Mapping[str, TinySpec] = {
 }
 
 
+#: Presets of real architectures (:mod:`omni_trio.models.qwen_omni`), each built by its
+#: family's own recipe; the only override they take is ``seed``.
+FAMILY_PRESETS: Mapping[str, Qwen3OmniSpec] = {
+    "qwen3-omni": Qwen3OmniSpec(),
+}
+#: bump when a family recipe changes
+_FAMILY_RECIPE_VERSION = 1
+
+
 def default_cache_dir() -> Path:
     """``$OMNI_TRIO_CACHE`` or ``~/.cache/omni-trio``. Pure (reads the environment)."""
     env = os.environ.get("OMNI_TRIO_CACHE")
@@ -92,7 +104,8 @@ def _spec_for(name: str, seed: int | None, overrides: Mapping[str, Any]) -> Tiny
         spec = TINY_PRESETS[name]
     except KeyError:
         raise ConfigError(
-            f"unknown tiny model preset {name!r}; presets are {sorted(TINY_PRESETS)}"
+            f"unknown tiny model preset {name!r}; presets are "
+            f"{sorted([*TINY_PRESETS, *FAMILY_PRESETS])}"
         ) from None
     changes = dict(overrides)
     if seed is not None:
@@ -128,15 +141,18 @@ def ensure_tiny_model(
     preset or option, :class:`BackendUnavailableError` if ``torch``/``transformers``/
     ``tokenizers`` are missing.
     """
-    spec = _spec_for(name, seed, overrides)
+    digest, build, recorded = _recipe_for(name, seed, overrides, progress)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    final = root / "tiny" / f"{name}-{spec.digest()}"
+    final = root / "tiny" / f"{name}-{digest}"
     if (final / _MARKER).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        _build(name, spec, tmp, progress=progress)
+        build(tmp)
+        marker = {"name": name, **recorded}
+        # Written last: its presence means the directory is complete.
+        (tmp / _MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True))
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
         try:
             os.rename(tmp, final)
@@ -148,6 +164,29 @@ def ensure_tiny_model(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _recipe_for(
+    name: str, seed: int | None, overrides: Mapping[str, Any], progress: bool
+) -> tuple[str, Callable[[Path], None], dict[str, object]]:
+    """(digest, builder into a directory, what the marker records) of preset ``name``."""
+    family = FAMILY_PRESETS.get(name)
+    if family is None:
+        spec = _spec_for(name, seed, overrides)
+        recorded = {"recipe": _RECIPE_VERSION, "spec": asdict(spec)}
+        return spec.digest(), lambda out: _build(name, spec, out, progress=progress), recorded
+    if overrides:
+        raise ConfigError(f"tiny model preset {name!r} takes only a seed, not {sorted(overrides)}")
+    if seed is not None:
+        family = replace(family, seed=seed)
+    recorded = {"recipe": _FAMILY_RECIPE_VERSION, "spec": family.digest_fields()}
+    digest = hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest()[:12]
+    _import_build_deps()
+
+    def build(out: Path) -> None:
+        build_qwen3_omni(family, out, label=f"tiny model {name!r}", progress=progress)
+
+    return digest, build, recorded
 
 
 def resolve_model(ref: str, *, cache_dir: str | os.PathLike[str] | None = None) -> str:
@@ -178,13 +217,7 @@ def _step(progress: bool, name: str, i: int, n: int, what: str) -> None:
 def _corpus(seed: int, n_lines: int = 4000) -> Iterator[str]:
     """A deterministic English-like corpus: enough distinct pairs for a few hundred merges."""
     rng = random.Random(seed)
-    words = (
-        "the a an of to in and is it that for on with as was by at be this from or have "
-        "not are but had they you he she we his her one all there their which were when "
-        "sound voice speech audio model stage token stream think talk answer question "
-        "hello world tiny omni trio nursery engine request output input wave signal word "
-        "time day night sun moon river light music song story city road tree water fire"
-    ).split()
+    words = CORPUS_WORDS
     for _ in range(n_lines):
         n = rng.randint(4, 14)
         line = " ".join(rng.choice(words) for _ in range(n))
@@ -264,15 +297,5 @@ def _build(name: str, spec: TinySpec, out: Path, *, progress: bool) -> None:
     _step(progress, name, 3, 3, f"saving ({WEIGHTS_DTYPE})")
     # drawn in float32 above (the same numbers on every machine), stored as bfloat16
     model.to(getattr(torch, WEIGHTS_DTYPE))
-    # transformers' own "Writing model shards" bar would cut into the caller's display
-    bars = transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        model.save_pretrained(out, safe_serialization=True)
-    finally:
-        if bars:
-            transformers.utils.logging.enable_progress_bar()
-    marker = {"name": name, "recipe": _RECIPE_VERSION, "spec": asdict(spec)}
-    # Written last: its presence means the directory is complete.
-    (out / _MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True))
+    save_quietly(transformers, model, out)
     _step(progress, name, 3, 3, "done")

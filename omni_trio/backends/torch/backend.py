@@ -17,9 +17,17 @@ Module protocol (what a ``factory`` must return)::
     vocab_size: int | None      codes outside [0, vocab_size) are rejected per request
     context_codes: int          left context (codes) a chunk needs to decode exactly as a
                                 one-shot run does (default 0)
+    frame_size: int             codes per frame (default 1): the module takes codes
+                                [B, frame_size * T], hop_length counts outputs per frame,
+                                and chunks and context hold whole frames
+    output_delay: int           outputs (along dim 1) the module puts before the first
+                                frame's own (a decoder that needs the next frame to finish
+                                one returns its output shifted right); dropped from the start
+                                of each request (default 0)
 
 ``forward`` must be causal along T (frame t depends on codes <= t): batches are right-padded
 with code 0 and the padding frames cut off, so a request's result equals running it alone.
+A request whose input ends inside a frame fails (:class:`StageError`).
 
 Options (under the stage's ``options:``): ``factory`` (``"package.module:callable"``, or the
 callable itself in a config built in Python; default the tiny vocoder's
@@ -60,7 +68,7 @@ import trio
 
 from ...config.options import TorchOptions, parse_torch_options, split_torch_options
 from ...config.stage import StageConfig
-from ...errors import BackendUnavailableError, StageError
+from ...errors import BackendUnavailableError, ConfigError, StageError
 from ...outputs import SamplingParams, StageInput, StageOutput
 from ...stages.backend import StageBackend
 from ...stages.emit import Emit
@@ -119,6 +127,7 @@ class _Item:
     request_id: str
     window: tuple[int, ...]
     trim: int
+    lead: int
     enqueued_at: float
     done: trio.Event = field(default_factory=trio.Event)
     result: Any = None
@@ -170,9 +179,15 @@ class TorchBackend(StageBackend):
 
     # -- lifecycle -----------------------------------------------------------------------
     async def _start(self) -> None:
-        self._info = await trio.to_thread.run_sync(
+        info = await trio.to_thread.run_sync(
             load_module, self.factory, self.factory_options, self.options.torch_threads
         )
+        if self.options.chunk_size % info.frame_size:
+            raise ConfigError(
+                f"stage {self.name}: options.chunk_size={self.options.chunk_size} is not a "
+                f"whole number of frames (the module's frame_size is {info.frame_size} codes)"
+            )
+        self._info = info
         self.mark_phase("model_loaded")
 
     async def _serve_forever(self) -> None:
@@ -227,7 +242,7 @@ class TorchBackend(StageBackend):
             started = time.perf_counter()
             # Not abandoned on cancel: serve waits for the thread, so none outlives it.
             results = await trio.to_thread.run_sync(
-                forward_batch, info, [(it.window, it.trim) for it in batch]
+                forward_batch, info, [(it.window, it.trim, it.lead) for it in batch]
             )
             compute_s = time.perf_counter() - started
         finally:
@@ -247,8 +262,10 @@ class TorchBackend(StageBackend):
             item.metrics = {"batch_size": len(batch), "batch_index": index, "compute_s": compute_s}
             item.done.set()
 
-    async def _decode(self, request_id: str, window: tuple[int, ...], trim: int) -> _Item:
-        item = _Item(request_id, window, trim, trio.current_time())
+    async def _decode(
+        self, request_id: str, window: tuple[int, ...], trim: int, lead: int
+    ) -> _Item:
+        item = _Item(request_id, window, trim, lead, trio.current_time())
         self._pending.append(item)
         self._arrived.set()
         finished = False
@@ -277,7 +294,8 @@ class TorchBackend(StageBackend):
         assert self._info is not None
         info = self._info
         streaming = self.config.stream_input and info.hop_length is not None
-        chunk_size = self.options.chunk_size if streaming else None
+        size = info.frame_size  # spans, chunks and context count whole frames
+        chunk_size = self.options.chunk_size // size if streaming else None
         codes: list[int] = []
         done = 0
         chunk_index = 0
@@ -300,12 +318,22 @@ class TorchBackend(StageBackend):
                         request_id=request_id,
                     ) from None
                 codes.extend(new)
-            for start, end in chunk_spans(done, len(codes), chunk_size=chunk_size, final=final):
-                window_start, trim = context_window(start, end, info.context_codes)
-                item = await self._decode(request_id, tuple(codes[window_start:end]), trim)
+            if final and len(codes) % size:
+                raise StageError(
+                    f"stage {self.name}: request {request_id!r}: the input ended inside a "
+                    f"frame ({len(codes)} codes; frames are {size} codes)",
+                    stage_id=self.stage_id,
+                    request_id=request_id,
+                )
+            frames = len(codes) // size
+            for start, end in chunk_spans(done, frames, chunk_size=chunk_size, final=final):
+                window_start, trim = context_window(start, end, info.context_codes // size)
+                window = tuple(codes[window_start * size : end * size])
+                lead = info.output_delay if start == 0 else 0
+                item = await self._decode(request_id, window, trim, lead)
                 done = end
-                last = final and end == len(codes)
-                await emit(_output(info, item, end - start, chunk_index, last))
+                last = final and end == frames
+                await emit(_output(info, item, (end - start) * size, chunk_index, last))
                 chunk_index += 1
                 finished = last
         if not finished:

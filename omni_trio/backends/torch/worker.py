@@ -13,7 +13,7 @@ from typing import Any
 
 from ...errors import BackendUnavailableError, ConfigError
 
-__all__ = ["ModuleInfo", "forward_batch", "import_torch", "load_module"]
+__all__ = ["ModuleInfo", "WorkItem", "forward_batch", "import_torch", "load_module"]
 
 
 def import_torch() -> Any:
@@ -39,6 +39,8 @@ class ModuleInfo:
     context_codes: int
     num_parameters: int
     factory: str
+    frame_size: int = 1
+    output_delay: int = 0
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -46,6 +48,8 @@ class ModuleInfo:
             "hop_length": self.hop_length,
             "vocab_size": self.vocab_size,
             "context_codes": self.context_codes,
+            "frame_size": self.frame_size,
+            "output_delay": self.output_delay,
             "num_parameters": self.num_parameters,
             "factory": self.factory,
             "module": type(self.module).__name__,
@@ -105,14 +109,26 @@ def load_module(
         module.eval()
     hop = _optional_int(module, "hop_length", factory)
     vocab = _optional_int(module, "vocab_size", factory)
+    frame = _optional_int(module, "frame_size", factory) or 1
+    delay = _optional_int(module, "output_delay", factory) or 0
+    context = _optional_int(module, "context_codes", factory) or 0
+    if context % frame:
+        raise ConfigError(
+            f"module from {factory!r}: context_codes={context} is not a whole number of "
+            f"frames of frame_size={frame} codes"
+        )
     with torch.inference_mode():
-        probe = module(torch.zeros((1, 1), dtype=torch.long))
+        probe = module(torch.zeros((1, frame), dtype=torch.long))
     if not hasattr(module, "hop_length") and probe.dim() >= 2:
-        hop = int(probe.shape[1])  # one code -> hop frames along dim 1
+        hop = int(probe.shape[1])  # one frame -> hop outputs along dim 1
     if hop is not None and (probe.dim() < 2 or probe.shape[0] != 1 or probe.shape[1] != hop):
         raise ConfigError(
-            f"module from {factory!r} maps codes [1, 1] to shape {tuple(probe.shape)}; "
+            f"module from {factory!r} maps codes [1, {frame}] to shape {tuple(probe.shape)}; "
             f"the protocol wants [1, hop_length={hop}, ...]"
+        )
+    if hop is not None and delay >= hop:
+        raise ConfigError(
+            f"module from {factory!r}: output_delay={delay} must be below hop_length={hop}"
         )
     params = getattr(module, "parameters", None)
     n_params = sum(p.numel() for p in params()) if params is not None else 0
@@ -122,42 +138,50 @@ def load_module(
         sample_rate=_optional_int(module, "sample_rate", factory),
         hop_length=hop,
         vocab_size=vocab,
-        context_codes=_optional_int(module, "context_codes", factory) or 0,
+        context_codes=context,
         num_parameters=n_params,
         factory=factory,
+        frame_size=frame,
+        output_delay=delay,
     )
 
 
-def _run(info: ModuleInfo, items: Sequence[tuple[Sequence[int], int]]) -> list[Any]:
+#: one work item: (codes window, frames of left context to drop, outputs to drop after them)
+WorkItem = tuple[Sequence[int], int, int]
+
+
+def _run(info: ModuleInfo, items: Sequence[WorkItem]) -> list[Any]:
     torch = info.torch
-    longest = max(len(window) for window, _ in items)
+    longest = max(len(window) for window, _, _ in items)
     codes = torch.zeros((len(items), longest), dtype=torch.long)  # right padding: code 0
-    for row, (window, _) in enumerate(items):
+    for row, (window, _, _) in enumerate(items):
         codes[row, : len(window)] = torch.tensor(window, dtype=torch.long)
     with torch.inference_mode():
         out = info.module(codes)
     if out.shape[0] != len(items):
         raise RuntimeError(f"module returned {out.shape[0]} rows for a batch of {len(items)}")
-    if info.hop_length is not None and out.shape[1] != longest * info.hop_length:
+    frames = longest // info.frame_size
+    if info.hop_length is not None and out.shape[1] != frames * info.hop_length:
         raise RuntimeError(
-            f"module returned {out.shape[1]} frames for {longest} codes; "
-            f"hop_length={info.hop_length} wants {longest * info.hop_length}"
+            f"module returned {out.shape[1]} outputs for {frames} frames; "
+            f"hop_length={info.hop_length} wants {frames * info.hop_length}"
         )
     if out.is_floating_point():
         out = out.to(torch.float32)
     results = []
-    for row, (window, trim) in enumerate(items):
+    for row, (window, trim, lead) in enumerate(items):
         if info.hop_length is None:
             part = out[row]
         else:
-            part = out[row, trim * info.hop_length : len(window) * info.hop_length]
+            end = len(window) // info.frame_size * info.hop_length
+            part = out[row, trim * info.hop_length + lead : end]
         # a copy: a view would keep the whole batch's buffer alive
         results.append(part.detach().cpu().numpy().copy())
     return results
 
 
-def forward_batch(info: ModuleInfo, items: Sequence[tuple[Sequence[int], int]]) -> list[Any]:
-    """Run ``items`` (``(codes window, frames-of-context to trim)``) as one padded batch;
+def forward_batch(info: ModuleInfo, items: Sequence[WorkItem]) -> list[Any]:
+    """Run ``items`` (:data:`WorkItem`) as one padded batch;
     return one numpy array per item, or the exception that item raised. Blocking.
 
     If the batch fails, each item is retried alone, so one request that breaks the module

@@ -229,6 +229,9 @@ def metrics_of(ro: Any) -> dict[str, Any] | None:
         out["num_cached_tokens"] = ro.num_cached_tokens
     if ro.prompt_token_ids is not None:
         out["num_prompt_tokens"] = len(ro.prompt_token_ids)
+        # the prompt as the engine saw it (after templating): a downstream stage that
+        # conditions on the whole turn (a Qwen-Omni talker) reads it
+        out["prompt_token_ids"] = tuple(ro.prompt_token_ids)
     return out or None
 
 

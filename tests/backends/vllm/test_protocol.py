@@ -55,6 +55,8 @@ def test_metrics_are_built_only_for_the_finished_output() -> None:
         "num_generation_tokens": 3,
         "num_cached_tokens": 0,
         "num_prompt_tokens": 3,
+        # the prompt as the engine saw it: a Qwen-Omni talker stage conditions on it
+        "prompt_token_ids": (1, 2, 3),
     }
 
 

@@ -1,0 +1,360 @@
+"""The Qwen3-Omni talker as a stage of its own: from the thinker's prompt and reply token ids
+to frames of 16 codec codes, one frame per decode step, equal to what transformers'
+``Qwen3OmniMoeForConditionalGeneration.generate()`` produces on the same checkpoint.
+
+For a text prompt the talker needs no thinker hidden state: generate() feeds it the thinker's
+token *embeddings* (a row lookup in the thinker's embedding table) through the talker's
+``text_projection``, so the stage boundary carries token ids only and this stage loads the
+embedding table and the talker (not the thinker's layers). Audio or image input would need the
+thinker's hidden states at the boundary (``hidden_projection``); that is not supported here.
+
+:func:`talker_frames` is a generator: each ``next()`` runs one decode step (a talker forward
+and the code predictor's 15 residual steps) and yields that step's frame, so the caller
+decides between any two steps whether to go on: closing the generator is the cancellation
+point. The decode loop is written out (a KV cache, the logits processors generate() uses)
+rather than calling ``talker.generate()``, which cannot yield a frame before it finishes.
+
+Everything here is blocking (torch); call it from a worker thread in async code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ...errors import ConfigError
+from .checkpoint import checkpoint_tensors, load_part, read_config
+
+__all__ = [
+    "Qwen3Talker",
+    "TalkerInputs",
+    "TalkerSampling",
+    "load_talker",
+    "talker_frames",
+    "talker_sampling",
+]
+
+#: transformers hard-codes these for the code predictor's sampling
+_PREDICTOR_TOP_K = 50
+_PREDICTOR_TOP_P = 0.8
+
+
+@dataclass(frozen=True, slots=True)
+class TalkerSampling:
+    """How the talker picks codes. ``do_sample=False`` is greedy (the golden path);
+    the defaults are generate()'s talker defaults."""
+
+    do_sample: bool = True
+    top_k: int = 50
+    top_p: float = 1.0
+    temperature: float = 0.9
+    repetition_penalty: float = 1.05
+    max_new_tokens: int = 4096
+    seed: int | None = None
+
+
+_SAMPLING_KEYS = {
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "repetition_penalty": float,
+    "max_tokens": int,
+    "seed": int,
+}
+
+
+def talker_sampling(params: Mapping[str, object] | None) -> TalkerSampling:
+    """A request's talker sampling from its stage sampling params (vLLM's names:
+    ``temperature`` (0: greedy), ``top_k``, ``top_p``, ``repetition_penalty``,
+    ``max_tokens``, ``seed``). Pure. Raises ValueError naming a key of the wrong type or range;
+    keys it does not use are ignored (a stage's defaults may carry vLLM-only ones)."""
+    given: dict[str, Any] = {}
+    for key, kind in _SAMPLING_KEYS.items():
+        value = (params or {}).get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"talker sampling param {key} must be a number, got {value!r}")
+        if kind is int and not float(value).is_integer():
+            raise ValueError(f"talker sampling param {key} must be an integer, got {value!r}")
+        given[key] = kind(value)
+    if given.get("temperature", 1.0) < 0:
+        raise ValueError(f"talker temperature must be >= 0, got {given['temperature']}")
+    if given.get("max_tokens", 1) < 1:
+        raise ValueError(f"talker max_tokens must be >= 1, got {given['max_tokens']}")
+    if not 0 < given.get("top_p", 1.0) <= 1:
+        raise ValueError(f"talker top_p must be in (0, 1], got {given['top_p']}")
+    if given.get("repetition_penalty", 1.0) <= 0:
+        raise ValueError(
+            f"talker repetition_penalty must be > 0, got {given['repetition_penalty']}"
+        )
+    base = TalkerSampling()
+    temperature = given.get("temperature", base.temperature)
+    return TalkerSampling(
+        do_sample=temperature > 0,
+        top_k=given.get("top_k", base.top_k),
+        top_p=given.get("top_p", base.top_p),
+        temperature=temperature if temperature > 0 else 1.0,
+        repetition_penalty=given.get("repetition_penalty", base.repetition_penalty),
+        max_new_tokens=given.get("max_tokens", base.max_new_tokens),
+        seed=given.get("seed"),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TalkerInputs:
+    """What generate() builds between the thinker and the talker for one request."""
+
+    #: [1, L, D] the talker's prompt
+    prompt_embeds: Any
+    #: [1, R, D] one row added to the input of each decode step while they last
+    trailing_text: Any
+    #: [1, 1, D] added to each step's input after the trailing rows ran out
+    tts_pad: Any
+
+
+class Qwen3Talker:
+    """The talker's weights and the thinker's embedding table, loaded from a checkpoint.
+    Immutable once loaded; safe to use from one thread at a time per request (each request's
+    state lives in its own generator)."""
+
+    codes_per_frame = 16
+
+    def __init__(self, config: Any, embed: Any, talker: Any) -> None:
+        self.config = config
+        self.embed = embed
+        self.talker = talker
+        self.speakers: tuple[str, ...] = tuple(sorted(config.talker_config.speaker_id))
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: str = "float32") -> Qwen3Talker:
+        """Blocking: reads the talker's tensors and the thinker's embedding table only."""
+        import torch
+        from transformers import Qwen3OmniMoeTalkerForConditionalGeneration
+
+        config = read_config(path)
+        torch_dtype = getattr(torch, dtype)
+        talker = load_part(
+            Qwen3OmniMoeTalkerForConditionalGeneration,
+            config.talker_config,
+            path,
+            "talker.",
+            torch_dtype,
+        )
+        embed = checkpoint_tensors(path, "thinker.model.embed_tokens.weight")[""].to(torch_dtype)
+        return cls(config, embed, talker)
+
+    def num_parameters(self) -> int:
+        return int(sum(p.numel() for p in self.talker.parameters()) + self.embed.numel())
+
+    def prepare(
+        self, prompt_ids: Sequence[int], reply_ids: Sequence[int], speaker: str
+    ) -> TalkerInputs | None:
+        """generate()'s talker input for a text prompt, op for op (the same projections over
+        the same slices, so the result is bit-identical, not only close). ``None`` when the
+        reply has fewer than 2 tokens: there is nothing to say (generate() fails there).
+
+        Raises ValueError for a prompt without an ``<|im_start|>assistant`` turn, a token id
+        outside the thinker's vocabulary, or an unknown speaker."""
+        import torch
+
+        cfg, tc = self.config, self.config.talker_config
+        if speaker.lower() not in tc.speaker_id:
+            raise ValueError(f"unknown speaker {speaker!r}; speakers are {list(self.speakers)}")
+        if len(reply_ids) < 2:
+            return None
+        vocab = self.embed.shape[0]
+        bad = next((t for t in (*prompt_ids, *reply_ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the thinker's vocabulary [0, {vocab})")
+        n = len(prompt_ids)
+        starts = [
+            i
+            for i in range(n - 1)
+            if prompt_ids[i] == cfg.im_start_token_id
+            and prompt_ids[i + 1] == cfg.assistant_token_id
+        ]
+        if not starts:
+            raise ValueError("the prompt has no '<|im_start|>assistant' turn for the talker")
+        # generate() reads the thinker's states of every token *fed* to it: the prompt and
+        # the reply but its last token (never fed back)
+        fed = [*prompt_ids, *reply_ids[:-1]]
+        thinker_embed = self.embed[torch.tensor(fed)].unsqueeze(0)
+        user_rows = _user_rows(prompt_ids, cfg.im_start_token_id, cfg.user_token_id)
+        project = self.talker.text_projection
+        a = starts[-1]
+        with torch.no_grad():
+            user = project(thinker_embed[:, :n])[:, user_rows]
+            specials = torch.tensor(
+                [[cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]]
+            )
+            tts_bos, tts_eos, tts_pad = project(self.embed[specials]).chunk(3, dim=1)
+            assistant = project(thinker_embed[:, a:])
+            text_part = torch.cat(
+                (assistant[:, :3], tts_pad.expand(1, 4, -1), tts_bos, assistant[:, 3:4]), dim=1
+            )
+            codec_ids = torch.tensor(
+                [
+                    [
+                        tc.codec_nothink_id,
+                        tc.codec_think_bos_id,
+                        tc.codec_think_eos_id,
+                        tc.speaker_id[speaker.lower()],
+                        tc.codec_pad_id,
+                        tc.codec_bos_id,
+                    ]
+                ]
+            )
+            zeros = torch.zeros(1, 3, tc.text_config.hidden_size, dtype=self.talker.dtype)
+            codec_part = torch.cat((zeros, self.talker.get_input_embeddings()(codec_ids)), dim=1)
+            trailing = torch.cat((assistant[:, 4:], tts_eos), dim=1)
+            prompt = torch.cat((user, text_part + codec_part), dim=1)
+        return TalkerInputs(prompt, trailing, tts_pad)
+
+
+def _user_rows(prompt_ids: Sequence[int], im_start: int, user: int) -> list[int]:
+    """Positions of every token of the prompt's user turns (role token after im_start)."""
+    rows: list[int] = []
+    role = None
+    for i, t in enumerate(prompt_ids):
+        if t == im_start:
+            role = prompt_ids[i + 1] if i + 1 < len(prompt_ids) else None
+        if role == user:
+            rows.append(i)
+    return rows
+
+
+def _processors(sampling: TalkerSampling, suppress: list[int] | None) -> Any:
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        SuppressTokensLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    procs = LogitsProcessorList()
+    if suppress is not None:  # the talker's first codebook
+        if sampling.repetition_penalty != 1.0:
+            procs.append(RepetitionPenaltyLogitsProcessor(penalty=sampling.repetition_penalty))
+        procs.append(SuppressTokensLogitsProcessor(suppress))
+        top_k, top_p, temperature = sampling.top_k, sampling.top_p, sampling.temperature
+    else:  # the code predictor
+        top_k, top_p, temperature = _PREDICTOR_TOP_K, _PREDICTOR_TOP_P, 1.0
+    if sampling.do_sample:
+        if temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            procs.append(TopKLogitsWarper(top_k=top_k))
+        if top_p < 1.0:
+            procs.append(TopPLogitsWarper(top_p=top_p))
+    return procs
+
+
+def _pick(scores: Any, sample: bool, gen: Any) -> Any:
+    import torch
+
+    if sample:
+        return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=gen)[:, 0]
+    return scores.argmax(dim=-1)
+
+
+def _residual_codes(
+    talker: Any, past_hidden: Any, code0_embed: Any, procs: Any, sample: bool, gen: Any
+) -> tuple[Any, Any]:
+    """The code predictor: the 15 residual codes of a frame from the talker's last hidden
+    state and code 0's embedding. Returns (codes [1, 15], the frame's 16 embeddings)."""
+    import torch
+    from transformers import DynamicCache
+
+    cp = talker.code_predictor
+    cache = DynamicCache(config=cp.config)
+    x = torch.cat((past_hidden, code0_embed), dim=1)
+    embeds = [code0_embed]
+    seq = torch.zeros(1, 0, dtype=torch.long)
+    for j in range(talker.config.num_code_groups - 1):
+        past = cache.get_seq_length()
+        pos = torch.arange(past, past + x.shape[1]).unsqueeze(0)
+        h = cp.model(
+            inputs_embeds=x, past_key_values=cache, use_cache=True, position_ids=pos
+        ).last_hidden_state
+        code = _pick(procs(seq, cp.lm_head[j](h)[:, -1, :].float()), sample, gen)
+        seq = torch.cat((seq, code[:, None]), dim=1)
+        x = cp.get_input_embeddings()[j](code[:, None])
+        embeds.append(x)
+    return seq, torch.cat(embeds, dim=1)
+
+
+def talker_frames(
+    model: Qwen3Talker, inputs: TalkerInputs, sampling: TalkerSampling
+) -> Generator[list[int], None, str]:
+    """Yield one frame (16 ints) per decode step as soon as it is known; blocking per step.
+    Returns the finish reason: ``"stop"`` (the codec EOS) or ``"length"``.
+
+    A frame's residual codes are predicted when its code 0 is fed back, so generation ends
+    without a frame for the codec EOS (or for the last code 0 when ``max_new_tokens`` is
+    reached), as in generate(). Stop between any two frames by closing the generator.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    talker = model.talker
+    tc = model.config.talker_config
+    vocab = tc.text_config.vocab_size
+    eos = tc.codec_eos_token_id
+    gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+    talker_procs = _processors(sampling, [i for i in range(vocab - 1024, vocab) if i != eos])
+    predictor_procs = _processors(sampling, None)
+    cache = DynamicCache(config=tc.text_config)
+    x = inputs.prompt_embeds
+    generated = torch.zeros(1, 0, dtype=torch.long)
+    n_trailing = inputs.trailing_text.shape[1]
+    with torch.no_grad():
+        for step in range(sampling.max_new_tokens):
+            past = cache.get_seq_length()
+            out = talker(
+                inputs_embeds=x,
+                past_key_values=cache,
+                use_cache=True,
+                position_ids=torch.arange(past, past + x.shape[1]).unsqueeze(0),
+                attention_mask=torch.ones(1, past + x.shape[1], dtype=torch.long),
+                output_hidden_states=True,
+                generation_step=step - 1,
+            )
+            logits = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
+            code0 = _pick(talker_procs(generated, logits), sampling.do_sample, gen)
+            generated = torch.cat((generated, code0[:, None]), dim=1)
+            if code0.item() == eos:
+                return "stop"
+            if step == sampling.max_new_tokens - 1:
+                return "length"
+            code0_embed = talker.get_input_embeddings()(code0[:, None])
+            residual, embeds = _residual_codes(
+                talker,
+                out.hidden_states[0][-1][:, -1:],
+                code0_embed,
+                predictor_procs,
+                sampling.do_sample,
+                gen,
+            )
+            yield [int(code0.item()), *residual[0].tolist()]
+            x = embeds.sum(1, keepdim=True)
+            x = x + (
+                inputs.trailing_text[:, step : step + 1] if step < n_trailing else inputs.tts_pad
+            )
+    return "length"
+
+
+def load_talker(path: str | Path, dtype: str = "float32") -> Qwen3Talker:
+    """The talker of the Qwen-Omni checkpoint at ``path``, for its family. Blocking.
+    Raises :class:`ConfigError` for a checkpoint of another architecture."""
+    model_type = getattr(read_config(path), "model_type", None)
+    if model_type == "qwen3_omni_moe":
+        return Qwen3Talker.load(path, dtype)
+    raise ConfigError(
+        f"{path}: a talker stage runs Qwen-Omni checkpoints (model_type qwen3_omni_moe), "
+        f"not model_type {model_type!r}"
+    )
