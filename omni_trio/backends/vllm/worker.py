@@ -39,6 +39,7 @@ from .engine_requests import EngineRequests, RequestCommand
 from .process import SpawnWindow, engine_core_children, import_vllm, kill, reap
 from .process import shutdown_engine as _shutdown
 from .protocol import Batch, Died, Ready, Rpc, Submit, merge_engine_args
+from .torchvision_cpu import prepare_for_model
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +214,9 @@ class EngineWorker:
         for key in ("model", "tokenizer"):
             if key in args:
                 args[key] = resolve_model(str(args[key]))
+        # the Qwen-VL family's modules import torchvision: here, and in the engine's processes
+        # through the plugin (what they need comes in the spawn window's environment)
+        spawn_env = prepare_for_model(str(args["model"])) if "model" in args else {}
         self._on_phase("model_ready")
         engine_args = v.AsyncEngineArgs(**args)
         host = self._host
@@ -221,7 +225,9 @@ class EngineWorker:
         bind = self.options.get("cpu_bind")
         if isinstance(bind, (list, tuple)):
             bind = bind[self.replica % len(bind)] if bind else None
-        window = SpawnWindow({} if bind is None else {"VLLM_CPU_OMP_THREADS_BIND": str(bind)})
+        if bind is not None:
+            spawn_env["VLLM_CPU_OMP_THREADS_BIND"] = str(bind)
+        window = SpawnWindow(spawn_env)
 
         def build() -> None:
             # Runs in a helper thread: construction blocks ~20 s and must not stall this
