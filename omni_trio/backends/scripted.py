@@ -30,7 +30,8 @@ What flows where: a request's input token ids ``T`` are the entry prompt's UTF-8
 prompts) or the token ids it was given. Output ``k`` carries ``token_ids == (T[k % len(T)] +
 token_offset,)`` and ``text == f"{stage_id}:{token} "``. So a chain of scripted stages adds
 ``token_offset`` per hop, and a test can tell which stage's output reached which stage. The
-finished output carries ``metrics == {"output_index": k}``; the others carry none. With
+finished output carries ``metrics == {"output_index": k, "prompt_token_ids": T}`` (a vllm
+stage's finished output carries its prompt's ids too); the others carry none. With
 ``stream_input: true`` output ``k`` is produced as soon as input token ``k`` has arrived. A
 request whose outputs nobody needs as they come (``outputs_streamed`` is false: no caller
 reads the stage and no ``stream_input`` stage takes them) gets its finished output only,
@@ -186,14 +187,16 @@ def scripted_tokens(inputs: Sequence[int], n_outputs: int, offset: int = 1) -> l
     return [inputs[k % len(inputs)] + offset for k in range(n_outputs)]
 
 
-def _whole(stage_id: str, tokens: Sequence[int], reason: str, k: int) -> StageOutput:
+def _whole(
+    stage_id: str, tokens: Sequence[int], reason: str, k: int, prompt: Sequence[int]
+) -> StageOutput:
     """A finished output carrying ``tokens`` (none: an empty stop output). Pure."""
     return StageOutput(
         token_ids=tuple(tokens),
         text="".join(f"{stage_id}:{token} " for token in tokens),
         finished=True,
         finish_reason=reason,
-        metrics={"output_index": k},
+        metrics={"output_index": k, "prompt_token_ids": tuple(prompt)},
     )
 
 
@@ -329,7 +332,7 @@ class ScriptedBackend(StageBackend):
                 if final_only:
                     held.append(token)
                     if last:
-                        await emit(_whole(self.stage_id, held, "length", k))
+                        await emit(_whole(self.stage_id, held, "length", k, tokens))
                 else:
                     out = StageOutput(
                         token_ids=(token,),
@@ -337,7 +340,9 @@ class ScriptedBackend(StageBackend):
                         finished=last,
                         finish_reason="length" if last else None,
                         # metrics once per request, on its finished output (as vllm's)
-                        metrics={"output_index": k} if last else None,
+                        metrics={"output_index": k, "prompt_token_ids": tuple(tokens)}
+                        if last
+                        else None,
                     )
                     if nowait is None or not nowait(out):
                         await emit(out)
@@ -347,7 +352,7 @@ class ScriptedBackend(StageBackend):
             if live.stop and (stopped or k < n_outputs):
                 # stopped by an interaction: the next output is the finished one, empty (or
                 # carrying the tokens held for a whole-output request)
-                await emit(_whole(self.stage_id, held, "stop", k))
+                await emit(_whole(self.stage_id, held, "stop", k, tokens))
             self.completed.append(request_id)
         except trio.Cancelled:
             self.aborted.append(request_id)

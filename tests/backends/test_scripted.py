@@ -61,7 +61,12 @@ async def test_outputs_latency_and_records(autojump_clock):
         assert [o.token_ids for o in outs] == [(101,), (102,), (101,)]
         assert outs[-1].finished and outs[-1].finish_reason == "length"
         # metrics once per request, on the finished output only
-        assert [o.metrics for o in outs] == [None, None, {"output_index": 2}]
+        # (and the prompt's ids, as a vllm stage's finished output carries them)
+        assert [o.metrics for o in outs] == [
+            None,
+            None,
+            {"output_index": 2, "prompt_token_ids": (1, 2)},
+        ]
         assert b.received["r"][0].token_ids == (1, 2)
         assert b.completed == ["r"]
         outs = await run(b, "r2", StageInput(token_ids=(1,)), params={"max_tokens": 1})
@@ -83,7 +88,7 @@ async def test_outputs_nobody_streams_go_out_whole_at_the_last_outputs_time(auto
         assert at - t0 == pytest.approx(6.0)
         assert out.token_ids == (101, 102, 101) and out.text == "a:101 a:102 a:101 "
         assert out.finished and out.finish_reason == "length"
-        assert out.metrics == {"output_index": 2}
+        assert out.metrics == {"output_index": 2, "prompt_token_ids": (1, 2)}
         streamed = await run(b, "s", chunk)
         assert tuple(t for o in streamed for t in o.token_ids) == out.token_ids
         assert "".join(o.text for o in streamed) == out.text
