@@ -37,8 +37,8 @@ turn, a token outside the vocabulary, an unknown speaker, bad sampling params) f
 request only. A checkpoint the talker cannot run fails the replica's start
 (:class:`~omni_trio.errors.ConfigError`).
 
-``collective_rpc`` methods: ``describe`` (model, family, speakers, parameters),
-``speakers``.
+``collective_rpc`` methods: ``describe`` (model, family, speakers, parameters, requests
+decoding now, frames decoded so far), ``speakers``.
 """
 
 from __future__ import annotations
@@ -230,6 +230,8 @@ class TalkerBackend(StageBackend):
                 "speakers": list(model.speakers),
                 "num_parameters": model.num_parameters(),
                 "codes_per_frame": model.codes_per_frame,
+                "decoding": self._decoding,
+                "frames": self._frames,
             }
         return await super()._rpc(method, args, kwargs)
 

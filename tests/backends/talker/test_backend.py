@@ -1,0 +1,216 @@
+"""The ``talker`` backend in an engine: a scripted thinker (it records its prompt's ids on its
+finished output, as a vllm stage does), the real tiny Qwen3-Omni talker and code2wav.
+
+Aborts, failures at each step, an engine closing during a talker step, cancellation at every
+checkpoint of a 3-stage request, and cleanup: nothing left in flight, no step left running."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import omni_trio
+from omni_trio import Engine
+from omni_trio.errors import StageError
+from omni_trio.testing import cancel_at_every_checkpoint, in_flight_problems
+
+pytestmark = pytest.mark.slow
+
+STAGES = ("thinker", "talker", "code2wav")
+
+
+@pytest.fixture(scope="module")
+def qwen3_path() -> Path:
+    from omni_trio.models.tiny import ensure_tiny_model
+
+    return ensure_tiny_model("qwen3-omni", progress=False)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(qwen3_path: Path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen3_path)
+    messages = [{"role": "user", "content": "hello world"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return [int(t) for t in tok(text).input_ids]
+
+
+def config(path: Path, *, thinker: dict[str, Any] | None = None, frames: int = 4) -> dict:
+    return {
+        "name": "qwen3-omni-scripted-thinker",
+        "stages": [
+            {
+                "id": "thinker",
+                "backend": "scripted",
+                # the reply: the prompt's first tokens (offset 0), ids the talker can embed
+                "options": {"outputs": 5, "token_offset": 0, **(thinker or {})},
+                "final_output": True,
+                "output_type": "text",
+            },
+            {
+                "id": "talker",
+                "backend": "talker",
+                "inputs": ["thinker"],
+                "input_processor": "omni_trio.models.qwen_omni.handoff:thinker_to_talker",
+                "options": {"model": str(path)},
+                "output_type": "tokens",
+                "default_sampling_params": {"temperature": 0.0, "max_tokens": frames + 1},
+            },
+            {
+                "id": "code2wav",
+                "backend": "torch",
+                "inputs": ["talker"],
+                "stream_input": True,
+                "options": {
+                    "factory": "omni_trio.models.qwen_omni.code2wav:build_code2wav",
+                    "model": str(path),
+                    "chunk_size": 32,
+                },
+                "final_output": True,
+                "output_type": "audio",
+            },
+        ],
+    }
+
+
+@asynccontextmanager
+async def engine_on(cfg: dict) -> AsyncIterator[Engine]:
+    with trio.fail_after(180):
+        async with omni_trio.open_engine(cfg) as engine:
+            yield engine
+
+
+async def talker_state(engine: Engine) -> dict[str, Any]:
+    with trio.fail_after(30):
+        (described,) = await engine.collective_rpc("describe", stage_ids=["talker"])
+    assert isinstance(described, dict)
+    return described
+
+
+async def test_frames_stream_into_audio_and_nothing_is_left(
+    qwen3_path: Path, prompt_ids: list[int]
+) -> None:
+    async with engine_on(config(qwen3_path, frames=4)) as engine:
+        with trio.fail_after(120):
+            outs = await engine.generate(prompt_ids, output_stages=list(STAGES)).collect()
+        frames = [o.token_ids for o in outs if o.stage_id == "talker" and o.token_ids]
+        assert len(frames) == 4 and all(len(f) == 16 for f in frames)
+        talker_last = [o for o in outs if o.stage_id == "talker"][-1]
+        assert talker_last.finished and talker_last.finish_reason == "length"
+        assert talker_last.metrics is not None and talker_last.metrics["frames"] == 4
+        audio = [o for o in outs if o.stage_id == "code2wav"]
+        # 2 frames a chunk, as they came; the finished output may close it empty
+        assert [len(o.data) for o in audio if len(o.data)] == [1920 * 2 - 555, 1920 * 2]
+        assert audio[-1].finished
+        assert sum(len(o.data) for o in audio) == 1920 * 4 - 555
+        assert in_flight_problems(engine) == []
+        state = await talker_state(engine)
+        assert state["decoding"] == 0 and state["frames"] == 4
+
+
+async def test_abort_mid_talker_stops_within_one_step(
+    qwen3_path: Path, prompt_ids: list[int]
+) -> None:
+    async with engine_on(config(qwen3_path, frames=500)) as engine:
+        seen = 0
+        with trio.fail_after(120):
+            async with engine.generate(
+                prompt_ids, request_id="long", output_stages=["talker"]
+            ) as stream:
+                async for out in stream:
+                    seen += bool(out.token_ids)
+                    if seen == 2:
+                        await engine.abort("long")
+                        break
+        state = await talker_state(engine)
+        # the abort waited for the running step: none runs now, and at most that one more
+        # frame was decoded after the second
+        assert state["decoding"] == 0 and 2 <= state["frames"] <= 3
+        assert in_flight_problems(engine) == []
+        # the replica goes on serving
+        with trio.fail_after(120):
+            outs = await engine.generate(prompt_ids, output_stages=["talker"]).collect()
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+
+
+async def test_a_bad_speaker_fails_that_request_only(
+    qwen3_path: Path, prompt_ids: list[int]
+) -> None:
+    async with engine_on(config(qwen3_path, frames=2)) as engine:
+        bad = {"talker": {"speaker": "nobody"}}
+        with trio.fail_after(120), pytest.raises(StageError) as failed:
+            await engine.generate(prompt_ids, sampling_params=bad).collect()
+        assert "unknown speaker 'nobody'" in str(failed.value)
+        assert "aiden" in str(failed.value) and failed.value.stage_id == "talker"
+        with trio.fail_after(120):
+            outs = await engine.generate(prompt_ids).collect()
+        assert outs[-1].stage_id == "code2wav" and outs[-1].finished
+        assert in_flight_problems(engine) == []
+
+
+async def test_a_thinker_failure_never_reaches_the_talker(
+    qwen3_path: Path, prompt_ids: list[int]
+) -> None:
+    async with engine_on(config(qwen3_path, thinker={"fail_at_output": 2})) as engine:
+        with trio.fail_after(120), pytest.raises(StageError, match="fail at output 2"):
+            await engine.generate(prompt_ids).collect()
+        state = await talker_state(engine)
+        assert state["frames"] == 0 and in_flight_problems(engine) == []
+
+
+async def test_a_failing_step_fails_the_request_and_names_the_step(
+    qwen3_path: Path, prompt_ids: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import omni_trio.models.qwen_omni.talker as talker_module
+
+    real = talker_module.talker_frames
+
+    def failing_at_step_2(*args: Any) -> Any:
+        frames = real(*args)
+        yield next(frames)
+        yield next(frames)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(talker_module, "talker_frames", failing_at_step_2)
+    async with engine_on(config(qwen3_path, frames=6)) as engine:
+        with trio.fail_after(120), pytest.raises(StageError) as failed:
+            await engine.generate(prompt_ids).collect()
+        assert "the talker failed at step 2: RuntimeError: injected" in str(failed.value)
+        assert isinstance(failed.value.__cause__, RuntimeError)
+        state = await talker_state(engine)
+        assert state["decoding"] == 0 and in_flight_problems(engine) == []
+
+
+async def test_engine_close_during_a_talker_step(qwen3_path: Path, prompt_ids: list[int]) -> None:
+    seen: list[bool] = []
+    with trio.fail_after(180):
+        async with omni_trio.open_engine(config(qwen3_path, frames=500)) as engine:
+            async with engine.generate(prompt_ids, output_stages=["talker"]) as stream:
+                async for out in stream:
+                    seen.append(out.finished)
+                    if len(seen) == 3:
+                        break  # leaving both blocks closes the engine mid-decode
+    # the close returned: no talker step outlived the engine (the thread finished its step)
+    assert len(seen) == 3 and not any(seen)
+
+
+async def test_cancel_at_every_checkpoint_of_a_three_stage_request(
+    qwen3_path: Path, prompt_ids: list[int]
+) -> None:
+    async def scenario(engine: Engine) -> None:
+        async with engine.generate(prompt_ids, output_stages=list(STAGES)) as stream:
+            async for _ in stream:
+                pass
+
+    async with engine_on(config(qwen3_path, frames=2)) as engine:
+        report = await cancel_at_every_checkpoint(engine, scenario, run_timeout=120)
+        report.raise_if_failed()
+        assert report.checkpoints > 0
+        state = await talker_state(engine)
+        assert state["decoding"] == 0
