@@ -36,6 +36,7 @@ def test_qwen3_omni_pipeline_loads() -> None:
     assert thinker.engine_args["model"] == "tiny:qwen3-omni"
     assert thinker.engine_args["language_model_only"] is True
     assert thinker.engine_args["dtype"] == "float32"
+    assert thinker.prompt_transform == "omni_trio.models.qwen_omni.handoff:chat_turn"
     assert talker.options["model"] == code2wav.options["model"] == "tiny:qwen3-omni"
     assert talker.input_processor == "omni_trio.models.qwen_omni.handoff:thinker_to_talker"
     assert code2wav.stream_input and code2wav.options["chunk_size"] % 16 == 0

@@ -1,4 +1,9 @@
-"""The input processor between a Qwen-Omni thinker stage and its talker stage (pure).
+"""The hooks around a Qwen-Omni thinker stage (pure): its ``prompt_transform``, which puts a
+plain text prompt in a chat turn, and the input processor between it and its talker stage.
+
+The talker speaks the assistant's turn of a chat: its prompt is built from the
+``<|im_start|>assistant`` turn of the thinker's prompt, so the thinker's prompt must be a chat
+(ChatML, the family's template for text).
 
 What crosses the stage boundary for a text prompt is token ids only: the thinker's reply
 (its output ``token_ids``, end-of-turn token included when it stopped there) and the prompt
@@ -12,7 +17,19 @@ from collections.abc import Mapping, Sequence
 
 from ...outputs import StageInput, StageOutput
 
-__all__ = ["thinker_to_talker"]
+__all__ = ["chat_turn", "thinker_to_talker"]
+
+_IM_START = "<|im_start|>"
+
+
+def chat_turn(prompt: object, request_id: str) -> object:
+    """A text prompt as one user turn of a ChatML chat, ready for the assistant's answer
+    (``<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n``). A text that is
+    already a chat (it holds ``<|im_start|>``), token ids and prompt dicts are returned
+    unchanged: they are the caller's own formatting."""
+    if not isinstance(prompt, str) or _IM_START in prompt:
+        return prompt
+    return f"{_IM_START}user\n{prompt}<|im_end|>\n{_IM_START}assistant\n"
 
 
 def thinker_to_talker(

@@ -146,3 +146,15 @@ def test_prepare_rejects_what_the_talker_cannot_take(talker: Any, reference: Any
         talker.prepare(prompt, [*reply[:-1], 99999], "ethan")
     # nothing to say: no talker input (generate() raises there)
     assert talker.prepare(prompt, reply[-1:], "ethan") is None
+
+
+def test_chat_turn_wraps_plain_text_only() -> None:
+    from omni_trio.models.qwen_omni.handoff import chat_turn
+
+    assert chat_turn("hi there", "r") == (
+        "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+    )
+    chat = "<|im_start|>system\nx<|im_end|>\n<|im_start|>assistant\n"
+    assert chat_turn(chat, "r") == chat
+    assert chat_turn([1, 2], "r") == [1, 2]
+    assert chat_turn({"prompt_token_ids": [1]}, "r") == {"prompt_token_ids": [1]}
