@@ -151,7 +151,7 @@ class TalkerBackend(StageBackend):
     async def _run(
         self, request_id: str, inputs: InputStream, sampling_params: SamplingParams, emit: Emit
     ) -> None:
-        from ...models.qwen_omni.talker import talker_frames, talker_sampling
+        from ...models.qwen_omni.talker import talker_sampling
 
         model = self._model
         assert model is not None
@@ -173,7 +173,7 @@ class TalkerBackend(StageBackend):
         if prepared is None:
             await emit(StageOutput(finished=True, finish_reason="stop", metrics={"frames": 0}))
             return
-        await self._decode(request_id, talker_frames(model, prepared, sampling), emit)
+        await self._decode(request_id, model.frames(prepared, sampling), emit)
 
     async def _decode(
         self, request_id: str, frames: Generator[list[int], None, str], emit: Emit

@@ -146,6 +146,12 @@ class Qwen3Talker:
         embed = checkpoint_tensors(path, "thinker.model.embed_tokens.weight")[""].to(torch_dtype)
         return cls(config, embed, talker)
 
+    def frames(
+        self, inputs: TalkerInputs, sampling: TalkerSampling
+    ) -> Generator[list[int], None, str]:
+        """:func:`talker_frames` of this talker: the decode of one request, step by step."""
+        return talker_frames(self, inputs, sampling)
+
     def num_parameters(self) -> int:
         return int(sum(p.numel() for p in self.talker.parameters()) + self.embed.numel())
 

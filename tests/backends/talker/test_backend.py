@@ -167,9 +167,9 @@ async def test_a_thinker_failure_never_reaches_the_talker(
 async def test_a_failing_step_fails_the_request_and_names_the_step(
     qwen3_path: Path, prompt_ids: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import omni_trio.models.qwen_omni.talker as talker_module
+    from omni_trio.models.qwen_omni.talker import Qwen3Talker
 
-    real = talker_module.talker_frames
+    real = Qwen3Talker.frames
 
     def failing_at_step_2(*args: Any) -> Any:
         frames = real(*args)
@@ -177,7 +177,7 @@ async def test_a_failing_step_fails_the_request_and_names_the_step(
         yield next(frames)
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(talker_module, "talker_frames", failing_at_step_2)
+    monkeypatch.setattr(Qwen3Talker, "frames", failing_at_step_2)
     async with engine_on(config(qwen3_path, frames=6)) as engine:
         with trio.fail_after(120), pytest.raises(StageError) as failed:
             await engine.generate(prompt_ids).collect()
