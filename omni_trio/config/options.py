@@ -141,6 +141,13 @@ class TalkerOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     dtype: Annotated[
         Literal["float32", "bfloat16", "float16"], Meta(description="the talker's weights' dtype")
     ] = "float32"
+    device: Annotated[
+        str,
+        Meta(
+            description="the torch device the talker runs on (cpu, cuda, cuda:1, ...)",
+            min_length=1,
+        ),
+    ] = "cpu"
     max_concurrency: Annotated[
         int, Meta(ge=1, description="decode steps running at once (worker threads)")
     ] = 1

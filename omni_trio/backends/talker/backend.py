@@ -135,7 +135,9 @@ class TalkerBackend(StageBackend):
             import torch
 
             torch.set_num_threads(self.options.torch_threads)
-        return load_talker(resolve_model(self.options.model), self.options.dtype)
+        return load_talker(
+            resolve_model(self.options.model), self.options.dtype, self.options.device
+        )
 
     async def _stop(self) -> None:
         self._model = None
@@ -227,6 +229,7 @@ class TalkerBackend(StageBackend):
             return {
                 "model": self.options.model,
                 "family": "qwen3-omni",
+                "device": model.device,
                 "speakers": list(model.speakers),
                 "num_parameters": model.num_parameters(),
                 "codes_per_frame": model.codes_per_frame,

@@ -34,12 +34,14 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the tor
 
 __all__ = ["Code2WavModule", "build_code2wav"]
 
-_OPTIONS = {"model", "left_context", "dtype"}
+_OPTIONS = {"model", "left_context", "dtype", "device"}
 
 
 def build_code2wav(options: Mapping[str, Any]) -> Code2WavModule:
     """The torch-backend module for the checkpoint ``options["model"]`` (a directory or a
-    ``tiny:`` preset); ``left_context`` (frames, default 25), ``dtype`` (default float32).
+    ``tiny:`` preset); ``left_context`` (frames, default 25), ``dtype`` (default float32),
+    ``device`` (default cpu: the module takes and returns tensors on the CPU and runs the
+    decoder there).
     Blocking. Raises :class:`ConfigError` for a missing model, an unknown option or a
     checkpoint that is not Qwen3-Omni."""
     from transformers import Qwen3OmniMoeCode2Wav
@@ -65,7 +67,7 @@ def build_code2wav(options: Mapping[str, Any]) -> Code2WavModule:
         )
     dtype = getattr(torch, str(options.get("dtype", "float32")))
     decoder = load_part(Qwen3OmniMoeCode2Wav, config.code2wav_config, path, "code2wav.", dtype)
-    return Code2WavModule(decoder, left_context)
+    return Code2WavModule(decoder.to(str(options.get("device", "cpu"))), left_context)
 
 
 class Code2WavModule(nn.Module):
@@ -81,15 +83,17 @@ class Code2WavModule(nn.Module):
         self.hop_length = int(decoder.total_upsample)
         self.vocab_size = int(cfg.codebook_size)
         self.context_codes = left_context * self.frame_size
+        self.device = next(decoder.parameters()).device
         with torch.no_grad():
-            n = decoder(torch.zeros((1, self.frame_size, 4), dtype=torch.long)).shape[-1]
+            probe = torch.zeros((1, self.frame_size, 4), dtype=torch.long, device=self.device)
+            n = decoder(probe).shape[-1]
         self.output_delay = 4 * self.hop_length - int(n)
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         b, n = codes.shape
         frames = codes.reshape(b, n // self.frame_size, self.frame_size).transpose(1, 2)
-        wav = self.decoder(frames)[:, 0]
-        out: torch.Tensor = nn.functional.pad(wav, (self.output_delay, 0))
+        wav = self.decoder(frames.to(self.device))[:, 0].float()
+        out: torch.Tensor = nn.functional.pad(wav, (self.output_delay, 0)).cpu()
         return out
 
     def extra_repr(self) -> str:

@@ -122,15 +122,18 @@ class Qwen3Talker:
 
     codes_per_frame = 16
 
-    def __init__(self, config: Any, embed: Any, talker: Any) -> None:
+    def __init__(self, config: Any, embed: Any, talker: Any, device: str = "cpu") -> None:
         self.config = config
         self.embed = embed
         self.talker = talker
+        #: where the weights live and every step runs ("cpu", "cuda", "cuda:1", ...)
+        self.device = device
         self.speakers: tuple[str, ...] = tuple(sorted(config.talker_config.speaker_id))
 
     @classmethod
-    def load(cls, path: str | Path, dtype: str = "float32") -> Qwen3Talker:
-        """Blocking: reads the talker's tensors and the thinker's embedding table only."""
+    def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu") -> Qwen3Talker:
+        """Blocking: reads the talker's tensors and the thinker's embedding table only, and
+        moves them to ``device``."""
         import torch
         from transformers import Qwen3OmniMoeTalkerForConditionalGeneration
 
@@ -144,7 +147,7 @@ class Qwen3Talker:
             torch_dtype,
         )
         embed = checkpoint_tensors(path, "thinker.model.embed_tokens.weight")[""].to(torch_dtype)
-        return cls(config, embed, talker)
+        return cls(config, embed.to(device), talker.to(device), device)
 
     def frames(
         self, inputs: TalkerInputs, sampling: TalkerSampling
@@ -187,14 +190,15 @@ class Qwen3Talker:
         # generate() reads the thinker's states of every token *fed* to it: the prompt and
         # the reply but its last token (never fed back)
         fed = [*prompt_ids, *reply_ids[:-1]]
-        thinker_embed = self.embed[torch.tensor(fed)].unsqueeze(0)
+        dev = self.device
+        thinker_embed = self.embed[torch.tensor(fed, device=dev)].unsqueeze(0)
         user_rows = _user_rows(prompt_ids, cfg.im_start_token_id, cfg.user_token_id)
         project = self.talker.text_projection
         a = starts[-1]
         with torch.no_grad():
             user = project(thinker_embed[:, :n])[:, user_rows]
             specials = torch.tensor(
-                [[cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]]
+                [[cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]], device=dev
             )
             tts_bos, tts_eos, tts_pad = project(self.embed[specials]).chunk(3, dim=1)
             assistant = project(thinker_embed[:, a:])
@@ -211,9 +215,12 @@ class Qwen3Talker:
                         tc.codec_pad_id,
                         tc.codec_bos_id,
                     ]
-                ]
+                ],
+                device=dev,
             )
-            zeros = torch.zeros(1, 3, tc.text_config.hidden_size, dtype=self.talker.dtype)
+            zeros = torch.zeros(
+                1, 3, tc.text_config.hidden_size, dtype=self.talker.dtype, device=dev
+            )
             codec_part = torch.cat((zeros, self.talker.get_input_embeddings()(codec_ids)), dim=1)
             trailing = torch.cat((assistant[:, 4:], tts_eos), dim=1)
             prompt = torch.cat((user, text_part + codec_part), dim=1)
@@ -232,7 +239,7 @@ def _user_rows(prompt_ids: Sequence[int], im_start: int, user: int) -> list[int]
     return rows
 
 
-def _processors(sampling: TalkerSampling, suppress: list[int] | None) -> Any:
+def _processors(sampling: TalkerSampling, suppress: list[int] | None, device: str) -> Any:
     from transformers.generation.logits_process import (
         LogitsProcessorList,
         RepetitionPenaltyLogitsProcessor,
@@ -246,7 +253,7 @@ def _processors(sampling: TalkerSampling, suppress: list[int] | None) -> Any:
     if suppress is not None:  # the talker's first codebook
         if sampling.repetition_penalty != 1.0:
             procs.append(RepetitionPenaltyLogitsProcessor(penalty=sampling.repetition_penalty))
-        procs.append(SuppressTokensLogitsProcessor(suppress))
+        procs.append(SuppressTokensLogitsProcessor(suppress, device=device))
         top_k, top_p, temperature = sampling.top_k, sampling.top_p, sampling.temperature
     else:  # the code predictor
         top_k, top_p, temperature = _PREDICTOR_TOP_K, _PREDICTOR_TOP_P, 1.0
@@ -280,10 +287,10 @@ def _residual_codes(
     cache = DynamicCache(config=cp.config)
     x = torch.cat((past_hidden, code0_embed), dim=1)
     embeds = [code0_embed]
-    seq = torch.zeros(1, 0, dtype=torch.long)
+    seq = torch.zeros(1, 0, dtype=torch.long, device=x.device)
     for j in range(talker.config.num_code_groups - 1):
         past = cache.get_seq_length()
-        pos = torch.arange(past, past + x.shape[1]).unsqueeze(0)
+        pos = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
         h = cp.model(
             inputs_embeds=x, past_key_values=cache, use_cache=True, position_ids=pos
         ).last_hidden_state
@@ -311,12 +318,15 @@ def talker_frames(
     tc = model.config.talker_config
     vocab = tc.text_config.vocab_size
     eos = tc.codec_eos_token_id
-    gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-    talker_procs = _processors(sampling, [i for i in range(vocab - 1024, vocab) if i != eos])
-    predictor_procs = _processors(sampling, None)
+    dev = model.device
+    gen = None
+    if sampling.seed is not None:
+        gen = torch.Generator(device=dev).manual_seed(sampling.seed)
+    talker_procs = _processors(sampling, [i for i in range(vocab - 1024, vocab) if i != eos], dev)
+    predictor_procs = _processors(sampling, None, dev)
     cache = DynamicCache(config=tc.text_config)
     x = inputs.prompt_embeds
-    generated = torch.zeros(1, 0, dtype=torch.long)
+    generated = torch.zeros(1, 0, dtype=torch.long, device=dev)
     n_trailing = inputs.trailing_text.shape[1]
     with torch.no_grad():
         for step in range(sampling.max_new_tokens):
@@ -325,8 +335,8 @@ def talker_frames(
                 inputs_embeds=x,
                 past_key_values=cache,
                 use_cache=True,
-                position_ids=torch.arange(past, past + x.shape[1]).unsqueeze(0),
-                attention_mask=torch.ones(1, past + x.shape[1], dtype=torch.long),
+                position_ids=torch.arange(past, past + x.shape[1], device=dev).unsqueeze(0),
+                attention_mask=torch.ones(1, past + x.shape[1], dtype=torch.long, device=dev),
                 output_hidden_states=True,
                 generation_step=step - 1,
             )
@@ -354,12 +364,13 @@ def talker_frames(
     return "length"
 
 
-def load_talker(path: str | Path, dtype: str = "float32") -> Qwen3Talker:
-    """The talker of the Qwen-Omni checkpoint at ``path``, for its family. Blocking.
+def load_talker(path: str | Path, dtype: str = "float32", device: str = "cpu") -> Qwen3Talker:
+    """The talker of the Qwen-Omni checkpoint at ``path``, for its family, on ``device``.
+    Blocking.
     Raises :class:`ConfigError` for a checkpoint of another architecture."""
     model_type = getattr(read_config(path), "model_type", None)
     if model_type == "qwen3_omni_moe":
-        return Qwen3Talker.load(path, dtype)
+        return Qwen3Talker.load(path, dtype, device)
     raise ConfigError(
         f"{path}: a talker stage runs Qwen-Omni checkpoints (model_type qwen3_omni_moe), "
         f"not model_type {model_type!r}"
