@@ -148,6 +148,7 @@ class TalkerOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             min_length=1,
         ),
     ] = "cpu"
+    max_batch_size: Annotated[int, Meta(ge=1, description="most requests decoded in one step")] = 8
     max_concurrency: Annotated[
         int, Meta(ge=1, description="decode steps running at once (worker threads)")
     ] = 1

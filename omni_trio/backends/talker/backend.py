@@ -20,21 +20,26 @@ Sampling params (the talker stage's, vLLM names): ``temperature`` (0: greedy), `
 same seed gives the same codes), and ``speaker`` (a voice of the checkpoint; default
 ``options.speaker``). Options: :class:`~omni_trio.config.options.TalkerOptions`.
 
-Each decode step is one call into a worker thread (``trio.to_thread.run_sync``), at most
-``max_concurrency`` at once (a ``trio.CapacityLimiter``, FIFO): concurrent requests take
-turns step by step, none waits for another to finish. Batched decoding of several requests
-in one forward is not done.
+Decoding is batched step by step (continuous batching): every request that wants its next
+frame waits in a FIFO; whenever a worker slot is free (``max_concurrency``, a
+``trio.CapacityLimiter``) a batcher task takes up to ``max_batch_size`` of them as one decode
+step in a worker thread (:func:`~omni_trio.models.qwen_omni.talker.decode_step`): the talker's
+forward per request (their KV caches differ in length), then the code predictor, 15 forwards,
+for all of them at once. Requests join at the next step and leave when they finish; none
+waits for another to finish. A request's codes do not depend on its batch (its own sampling
+and generator), up to float rounding.
 
-Cancellation (an abort, a cancelled request, the engine closing): the request stops at the
-next step boundary. The step running in the thread cannot be interrupted; the request's task
-waits for it (at most one step), drops its frame and closes the request's decode generator,
-so nothing of the request is left in the thread or the replica. Stopping the replica works
-the same way for every running request.
+Cancellation (an abort, a cancelled request, the engine closing): the request stops at once.
+One waiting for a step leaves the queue and never runs; one whose step is running gets
+nothing further: the step ends in its thread (it cannot be interrupted; at most one step),
+the others in it get their frames, and its state is dropped with the step. Stopping the
+replica waits for the running step, so no thread outlives it.
 
 Errors: a request whose input is not what the talker takes (no prompt ids, no assistant
 turn, a token outside the vocabulary, an unknown speaker, bad sampling params) fails with a
-:class:`~omni_trio.errors.StageError` naming the problem; a failure inside a step fails that
-request only. A checkpoint the talker cannot run fails the replica's start
+:class:`~omni_trio.errors.StageError` naming the problem, that request only; a failure inside
+a step fails the requests of that step (they shared its forward), each with a StageError
+naming the step. A checkpoint the talker cannot run fails the replica's start
 (:class:`~omni_trio.errors.ConfigError`).
 
 ``collective_rpc`` methods: ``describe`` (model, family, speakers, parameters, requests
@@ -46,7 +51,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 import time
-from collections.abc import Generator, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import trio
@@ -60,7 +66,7 @@ from ...stages.emit import Emit
 from ...stages.input_stream import InputStream
 
 if TYPE_CHECKING:
-    from ...models.qwen_omni.talker import Qwen3Talker
+    from ...models.qwen_omni.talker import DecodeState, Qwen3Talker
 
 __all__ = ["TalkerBackend", "talker_request"]
 
@@ -91,13 +97,15 @@ def talker_request(
     return list(prompt), list(chunk.token_ids), speaker, params
 
 
-def _next_frame(frames: Generator[list[int], None, str]) -> list[int] | str:
-    """The next frame, or the finish reason once the decode ended. Blocking (one step)."""
-    try:
-        return next(frames)
-    except StopIteration as stop:
-        reason: str = stop.value
-        return reason
+@dataclass(eq=False)
+class _Step:
+    """One request waiting for (or in) a decode step."""
+
+    state: DecodeState
+    done: trio.Event = field(default_factory=trio.Event)
+    result: list[int] | str | None = None
+    error: BaseException | None = None
+    abandoned: bool = False
 
 
 class TalkerBackend(StageBackend):
@@ -119,8 +127,12 @@ class TalkerBackend(StageBackend):
         )
         self._model: Qwen3Talker | None = None
         self._limiter = trio.CapacityLimiter(self.options.max_concurrency)
+        self._pending: list[_Step] = []
+        self._arrived = trio.Event()
         self._decoding = 0
         self._frames = 0
+        self._steps = 0
+        self._largest_step = 0
         self._steps_s = 0.0
 
     async def _start(self) -> None:
@@ -138,6 +150,64 @@ class TalkerBackend(StageBackend):
         return load_talker(
             resolve_model(self.options.model), self.options.dtype, self.options.device
         )
+
+    async def _serve_forever(self) -> None:
+        async with trio.open_nursery() as nursery:
+            await self._batcher(nursery)
+
+    async def _batcher(self, nursery: trio.Nursery) -> None:
+        while True:
+            while not self._pending:
+                self._arrived = trio.Event()
+                await self._arrived.wait()
+            token = object()
+            # hold a worker slot first: while every slot is busy, requests gather for the
+            # next step, which then decodes them together
+            await self._limiter.acquire_on_behalf_of(token)
+            if not self._pending:  # the waiting requests were cancelled meanwhile
+                self._limiter.release_on_behalf_of(token)
+                continue
+            size = self.options.max_batch_size
+            batch, self._pending = self._pending[:size], self._pending[size:]
+            nursery.start_soon(self._run_step, batch, token)
+
+    async def _run_step(self, batch: list[_Step], token: object) -> None:
+        model = self._model
+        assert model is not None
+        started = time.perf_counter()
+        try:
+            # not abandoned on cancel: the replica's stop waits for the step to end, so no
+            # thread outlives the replica
+            results = await trio.to_thread.run_sync(model.step, [s.state for s in batch])
+        except Exception as exc:
+            for step in batch:
+                step.error = exc
+                step.done.set()
+            return
+        finally:
+            self._limiter.release_on_behalf_of(token)
+            self._steps += 1
+            self._largest_step = max(self._largest_step, len(batch))
+            self._steps_s += time.perf_counter() - started
+        for step, result in zip(batch, results, strict=True):
+            step.result = result
+            step.done.set()
+
+    async def _next(self, state: DecodeState) -> list[int] | str:
+        step = _Step(state)
+        self._pending.append(step)
+        self._arrived.set()
+        try:
+            await step.done.wait()
+        finally:
+            if not step.done.is_set():
+                step.abandoned = True
+                if step in self._pending:
+                    self._pending.remove(step)  # never runs
+        if step.error is not None:
+            raise step.error
+        assert step.result is not None
+        return step.result
 
     async def _stop(self) -> None:
         self._model = None
@@ -171,15 +241,13 @@ class TalkerBackend(StageBackend):
                 model.prepare, prompt, reply, speaker, limiter=self._limiter
             )
         except ValueError as exc:
-            raise self._invalid(request_id, exc) from None
+            raise self._invalid(request_id, exc) from exc
         if prepared is None:
             await emit(StageOutput(finished=True, finish_reason="stop", metrics={"frames": 0}))
             return
-        await self._decode(request_id, model.frames(prepared, sampling), emit)
+        await self._decode(request_id, model.start(prepared, sampling), emit)
 
-    async def _decode(
-        self, request_id: str, frames: Generator[list[int], None, str], emit: Emit
-    ) -> None:
+    async def _decode(self, request_id: str, state: DecodeState, emit: Emit) -> None:
         n = 0
         compute_s = 0.0
         self._decoding += 1
@@ -187,11 +255,7 @@ class TalkerBackend(StageBackend):
             while True:
                 started = time.perf_counter()
                 try:
-                    # not abandoned on cancel: the step finishes (one step at most) before
-                    # the generator is closed, so no thread works for a gone request
-                    frame = await trio.to_thread.run_sync(
-                        _next_frame, frames, limiter=self._limiter
-                    )
+                    frame = await self._next(state)
                 except Exception as exc:
                     raise StageError(
                         f"stage {self.name}: request {request_id!r}: the talker failed at "
@@ -208,8 +272,6 @@ class TalkerBackend(StageBackend):
                 await emit(StageOutput(token_ids=tuple(frame)))
         finally:
             self._decoding -= 1
-            self._steps_s += compute_s
-            frames.close()
         await emit(
             StageOutput(
                 finished=True,
@@ -235,9 +297,15 @@ class TalkerBackend(StageBackend):
                 "codes_per_frame": model.codes_per_frame,
                 "decoding": self._decoding,
                 "frames": self._frames,
+                "steps": self._steps,
+                "largest_step": self._largest_step,
+                "steps_s": self._steps_s,
             }
         return await super()._rpc(method, args, kwargs)
 
     def __repr__(self) -> str:
         base = super().__repr__()[:-1]
-        return f"{base} decoding={self._decoding} frames={self._frames}>"
+        return (
+            f"{base} decoding={self._decoding} waiting={len(self._pending)} "
+            f"frames={self._frames} steps={self._steps}>"
+        )

@@ -28,9 +28,11 @@ from ...errors import ConfigError
 from .checkpoint import checkpoint_tensors, load_part, read_config
 
 __all__ = [
+    "DecodeState",
     "Qwen3Talker",
     "TalkerInputs",
     "TalkerSampling",
+    "decode_step",
     "load_talker",
     "talker_frames",
     "talker_sampling",
@@ -155,6 +157,14 @@ class Qwen3Talker:
         """:func:`talker_frames` of this talker: the decode of one request, step by step."""
         return talker_frames(self, inputs, sampling)
 
+    def start(self, inputs: TalkerInputs, sampling: TalkerSampling) -> DecodeState:
+        """A request's decode state, for :meth:`step` (batched decoding)."""
+        return DecodeState(self, inputs, sampling)
+
+    def step(self, states: Sequence[DecodeState]) -> list[list[int] | str]:
+        """:func:`decode_step` of this talker."""
+        return decode_step(self, states)
+
     def num_parameters(self) -> int:
         return int(sum(p.numel() for p in self.talker.parameters()) + self.embed.numel())
 
@@ -275,30 +285,159 @@ def _pick(scores: Any, sample: bool, gen: Any) -> Any:
     return scores.argmax(dim=-1)
 
 
+class DecodeState:
+    """One request's decode between two steps: its KV cache, the next input row, the codes so
+    far, its sampling (processors, generator). Owned by the request; changed only by
+    :func:`decode_step`, which one thread runs at a time."""
+
+    __slots__ = (
+        "cache",
+        "finished",
+        "gen",
+        "generated",
+        "inputs",
+        "predictor_procs",
+        "sampling",
+        "step",
+        "talker_procs",
+        "x",
+    )
+
+    def __init__(self, model: Qwen3Talker, inputs: TalkerInputs, sampling: TalkerSampling):
+        import torch
+        from transformers import DynamicCache
+
+        tc = model.config.talker_config
+        vocab = tc.text_config.vocab_size
+        eos = tc.codec_eos_token_id
+        dev = model.device
+        self.inputs = inputs
+        self.sampling = sampling
+        self.gen = None
+        if sampling.seed is not None:
+            self.gen = torch.Generator(device=dev).manual_seed(sampling.seed)
+        suppress = [i for i in range(vocab - 1024, vocab) if i != eos]
+        self.talker_procs = _processors(sampling, suppress, dev)
+        self.predictor_procs = _processors(sampling, None, dev)
+        self.cache = DynamicCache(config=tc.text_config)
+        self.x = inputs.prompt_embeds
+        self.generated = torch.zeros(1, 0, dtype=torch.long, device=dev)
+        self.step = 0
+        #: the finish reason once the decode ended ("stop": the codec EOS, or "length")
+        self.finished: str | None = None
+
+    def __repr__(self) -> str:
+        return f"<DecodeState step={self.step} finished={self.finished!r}>"
+
+
+def _code0(model: Qwen3Talker, state: DecodeState) -> tuple[Any, Any] | None:
+    """The talker's forward for one request: its code 0 and last hidden state, or None when
+    the decode ends here (``state.finished`` says why)."""
+    import torch
+
+    dev = model.device
+    x = state.x
+    past = state.cache.get_seq_length()
+    out = model.talker(
+        inputs_embeds=x,
+        past_key_values=state.cache,
+        use_cache=True,
+        position_ids=torch.arange(past, past + x.shape[1], device=dev).unsqueeze(0),
+        attention_mask=torch.ones(1, past + x.shape[1], dtype=torch.long, device=dev),
+        output_hidden_states=True,
+        generation_step=state.step - 1,
+    )
+    logits = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
+    code0 = _pick(state.talker_procs(state.generated, logits), state.sampling.do_sample, state.gen)
+    state.generated = torch.cat((state.generated, code0[:, None]), dim=1)
+    if code0.item() == model.config.talker_config.codec_eos_token_id:
+        state.finished = "stop"
+    elif state.step == state.sampling.max_new_tokens - 1:
+        state.finished = "length"
+    if state.finished is not None:
+        return None
+    return code0, out.hidden_states[0][-1][:, -1:]
+
+
 def _residual_codes(
-    talker: Any, past_hidden: Any, code0_embed: Any, procs: Any, sample: bool, gen: Any
+    model: Qwen3Talker, states: Sequence[DecodeState], code0s: list[Any], hidden: list[Any]
 ) -> tuple[Any, Any]:
-    """The code predictor: the 15 residual codes of a frame from the talker's last hidden
-    state and code 0's embedding. Returns (codes [1, 15], the frame's 16 embeddings)."""
+    """The code predictor, batched over requests (every row has the same length at each of
+    its steps, so no padding): the 15 residual codes of each request's frame from its last
+    hidden state and code 0's embedding. Returns (codes [B, 15], embeddings [B, 16, D])."""
     import torch
     from transformers import DynamicCache
 
+    talker = model.talker
     cp = talker.code_predictor
     cache = DynamicCache(config=cp.config)
-    x = torch.cat((past_hidden, code0_embed), dim=1)
+    code0 = torch.cat(code0s)[:, None]
+    code0_embed = talker.get_input_embeddings()(code0)
+    x = torch.cat((torch.cat(hidden), code0_embed), dim=1)
     embeds = [code0_embed]
-    seq = torch.zeros(1, 0, dtype=torch.long, device=x.device)
+    seq = torch.zeros(len(states), 0, dtype=torch.long, device=x.device)
     for j in range(talker.config.num_code_groups - 1):
         past = cache.get_seq_length()
         pos = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
         h = cp.model(
             inputs_embeds=x, past_key_values=cache, use_cache=True, position_ids=pos
         ).last_hidden_state
-        code = _pick(procs(seq, cp.lm_head[j](h)[:, -1, :].float()), sample, gen)
+        logits = cp.lm_head[j](h)[:, -1, :].float()
+        code = torch.cat(
+            [
+                _pick(
+                    st.predictor_procs(seq[r : r + 1], logits[r : r + 1]),
+                    st.sampling.do_sample,
+                    st.gen,
+                )
+                for r, st in enumerate(states)
+            ]
+        )
         seq = torch.cat((seq, code[:, None]), dim=1)
         x = cp.get_input_embeddings()[j](code[:, None])
         embeds.append(x)
     return seq, torch.cat(embeds, dim=1)
+
+
+def decode_step(model: Qwen3Talker, states: Sequence[DecodeState]) -> list[list[int] | str]:
+    """One decode step of every request in ``states``: the talker's forward per request (their
+    caches differ in length), then the code predictor for all of them at once. Returns, per
+    request, its frame (16 ints), or its finish reason when its decode ended at this step.
+    Blocking. A request's codes do not depend on what else is in the batch (its own sampling
+    and generator), up to float rounding of the batched predictor."""
+    import torch
+
+    results: list[list[int] | str] = []
+    going: list[int] = []
+    code0s: list[Any] = []
+    hidden: list[Any] = []
+    with torch.no_grad():
+        for i, state in enumerate(states):
+            if state.finished is not None:
+                raise ValueError(f"request {i} of the step already finished ({state.finished})")
+            picked = _code0(model, state)
+            if picked is None:
+                results.append(state.finished or "length")
+                continue
+            results.append([])
+            going.append(i)
+            code0s.append(picked[0])
+            hidden.append(picked[1])
+        if not going:
+            return results
+        chosen = [states[i] for i in going]
+        residual, embeds = _residual_codes(model, chosen, code0s, hidden)
+        for row, i in enumerate(going):
+            state = states[i]
+            results[i] = [int(code0s[row].item()), *residual[row].tolist()]
+            x = embeds[row : row + 1].sum(1, keepdim=True)
+            trailing = state.inputs.trailing_text
+            k = state.step
+            state.x = x + (
+                trailing[:, k : k + 1] if k < trailing.shape[1] else state.inputs.tts_pad
+            )
+            state.step += 1
+    return results
 
 
 def talker_frames(
@@ -311,57 +450,12 @@ def talker_frames(
     without a frame for the codec EOS (or for the last code 0 when ``max_new_tokens`` is
     reached), as in generate(). Stop between any two frames by closing the generator.
     """
-    import torch
-    from transformers import DynamicCache
-
-    talker = model.talker
-    tc = model.config.talker_config
-    vocab = tc.text_config.vocab_size
-    eos = tc.codec_eos_token_id
-    dev = model.device
-    gen = None
-    if sampling.seed is not None:
-        gen = torch.Generator(device=dev).manual_seed(sampling.seed)
-    talker_procs = _processors(sampling, [i for i in range(vocab - 1024, vocab) if i != eos], dev)
-    predictor_procs = _processors(sampling, None, dev)
-    cache = DynamicCache(config=tc.text_config)
-    x = inputs.prompt_embeds
-    generated = torch.zeros(1, 0, dtype=torch.long, device=dev)
-    n_trailing = inputs.trailing_text.shape[1]
-    with torch.no_grad():
-        for step in range(sampling.max_new_tokens):
-            past = cache.get_seq_length()
-            out = talker(
-                inputs_embeds=x,
-                past_key_values=cache,
-                use_cache=True,
-                position_ids=torch.arange(past, past + x.shape[1], device=dev).unsqueeze(0),
-                attention_mask=torch.ones(1, past + x.shape[1], dtype=torch.long, device=dev),
-                output_hidden_states=True,
-                generation_step=step - 1,
-            )
-            logits = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
-            code0 = _pick(talker_procs(generated, logits), sampling.do_sample, gen)
-            generated = torch.cat((generated, code0[:, None]), dim=1)
-            if code0.item() == eos:
-                return "stop"
-            if step == sampling.max_new_tokens - 1:
-                return "length"
-            code0_embed = talker.get_input_embeddings()(code0[:, None])
-            residual, embeds = _residual_codes(
-                talker,
-                out.hidden_states[0][-1][:, -1:],
-                code0_embed,
-                predictor_procs,
-                sampling.do_sample,
-                gen,
-            )
-            yield [int(code0.item()), *residual[0].tolist()]
-            x = embeds.sum(1, keepdim=True)
-            x = x + (
-                inputs.trailing_text[:, step : step + 1] if step < n_trailing else inputs.tts_pad
-            )
-    return "length"
+    state = DecodeState(model, inputs, sampling)
+    while True:
+        (result,) = decode_step(model, [state])
+        if isinstance(result, str):
+            return result
+        yield result
 
 
 def load_talker(path: str | Path, dtype: str = "float32", device: str = "cpu") -> Qwen3Talker:

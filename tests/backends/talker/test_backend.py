@@ -169,15 +169,14 @@ async def test_a_failing_step_fails_the_request_and_names_the_step(
 ) -> None:
     from omni_trio.models.qwen_omni.talker import Qwen3Talker
 
-    real = Qwen3Talker.frames
+    real = Qwen3Talker.step
 
-    def failing_at_step_2(*args: Any) -> Any:
-        frames = real(*args)
-        yield next(frames)
-        yield next(frames)
-        raise RuntimeError("injected")
+    def failing_at_step_2(self: Qwen3Talker, states: Any) -> Any:
+        if states[0].step == 2:
+            raise RuntimeError("injected")
+        return real(self, states)
 
-    monkeypatch.setattr(Qwen3Talker, "frames", failing_at_step_2)
+    monkeypatch.setattr(Qwen3Talker, "step", failing_at_step_2)
     async with engine_on(config(qwen3_path, frames=6)) as engine:
         with trio.fail_after(120), pytest.raises(StageError) as failed:
             await engine.generate(prompt_ids).collect()
@@ -214,3 +213,27 @@ async def test_cancel_at_every_checkpoint_of_a_three_stage_request(
         assert report.checkpoints > 0
         state = await talker_state(engine)
         assert state["decoding"] == 0
+
+
+async def test_concurrent_requests_share_decode_steps(
+    qwen3_path: Path, prompt_ids: list[int]
+) -> None:
+    async with engine_on(config(qwen3_path, frames=6)) as engine:
+        with trio.fail_after(120):
+            alone = await engine.generate(prompt_ids, output_stages=["talker"]).collect()
+        results: dict[int, list[Any]] = {}
+
+        async def one(k: int) -> None:
+            stream = engine.generate(prompt_ids, output_stages=["talker"])
+            results[k] = await stream.collect()
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for k in range(3):
+                    nursery.start_soon(one, k)
+        frames = [[o.token_ids for o in outs if o.token_ids] for outs in results.values()]
+        expected = [o.token_ids for o in alone if o.token_ids]
+        assert frames == [expected] * 3  # greedy: each as if alone
+        state = await talker_state(engine)
+        assert state["largest_step"] > 1 and state["decoding"] == 0
+        assert in_flight_problems(engine) == []

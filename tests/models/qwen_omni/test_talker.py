@@ -158,3 +158,30 @@ def test_chat_turn_wraps_plain_text_only() -> None:
     assert chat_turn(chat, "r") == chat
     assert chat_turn([1, 2], "r") == [1, 2]
     assert chat_turn({"prompt_token_ids": [1]}, "r") == {"prompt_token_ids": [1]}
+
+
+@pytest.mark.slow
+def test_a_batched_step_gives_each_request_its_own_frames(talker: Any, reference: Any) -> None:
+    from omni_trio.models.qwen_omni.talker import talker_frames
+
+    prompt, reply = reference.prompt_ids, reference.reply_ids
+    requests = [
+        (talker.prepare(prompt, reply, "ethan"), {"temperature": 0, "max_tokens": 5}),
+        (talker.prepare(prompt, reply[:3], "chelsie"), {"temperature": 0, "max_tokens": 3}),
+        (talker.prepare(prompt, reply, "aiden"), {"temperature": 0.9, "seed": 7, "max_tokens": 4}),
+    ]
+    alone = [list(talker_frames(talker, i, talker_sampling(p))) for i, p in requests]
+    states = [talker.start(i, talker_sampling(p)) for i, p in requests]
+    together: list[list[list[int]]] = [[], [], []]
+    reasons: dict[int, str] = {}
+    while len(reasons) < len(states):
+        going = [k for k in range(len(states)) if k not in reasons]
+        for k, result in zip(going, talker.step([states[k] for k in going]), strict=True):
+            if isinstance(result, str):
+                reasons[k] = result
+            else:
+                together[k].append(result)
+    assert together == alone
+    assert [len(f) for f in together] == [4, 2, 3] and set(reasons.values()) == {"length"}
+    with pytest.raises(ValueError, match="already finished"):
+        talker.step([states[0]])
