@@ -3,6 +3,9 @@ leaves alone, and the errors it gives before any engine starts."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import wave
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ from omni_trio.cli.model_dir import (
 )
 from omni_trio.pipelines import pipeline_path
 
+from ..conftest import engine_seconds
 from .test_main import one_line_error, pipeline
 
 
@@ -128,3 +132,27 @@ def test_help_shows_the_flag(command, capsys):
     assert main([command, "--help"]) == 0
     out = capsys.readouterr().out
     assert "--model DIR" in out and "checkpoint directory" in out
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_run_qwen3_omni_on_a_checkpoint_directory(tmp_path):
+    from omni_trio.models.tiny import resolve_model
+
+    # the tiny preset's files are a checkpoint directory like any other
+    model = resolve_model("tiny:qwen3-omni")
+    out = tmp_path / "out"
+    argv = ["run", "qwen3-omni", "--model", model, "--prompt", "Hi", "--output-dir", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "omni_trio", *argv],
+        capture_output=True,
+        text=True,
+        timeout=engine_seconds(600),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with wave.open(str(out / "prompt-1.wav")) as w:
+        samples = w.getnframes()
+        assert w.getframerate() == 24_000
+    # whole talker frames (1920 samples each, the last 555 short), through code2wav
+    assert samples > 0 and (samples + 555) % 1920 == 0
+    assert "thinker (vllm) ready in" in proc.stderr and "Traceback" not in proc.stderr

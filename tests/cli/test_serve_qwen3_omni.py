@@ -20,8 +20,8 @@ RATE = 24_000
 #: code2wav: a frame of 16 codes is 1920 samples, and an utterance's last 555 samples need
 #: a next frame: T frames decode to 1920 T - 555 samples
 FRAME_SAMPLES, TAIL = 1920, 555
-#: the talker stage's max_tokens (frames) in the shipped pipeline
-MAX_FRAMES = 40
+#: the shipped talker's max_tokens is 40: the 40th code 0 ends the decode without a frame
+MAX_FRAMES = 39
 
 
 def frames_of(samples: int) -> int:
