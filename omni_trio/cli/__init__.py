@@ -2,6 +2,8 @@
 
 - :mod:`~omni_trio.cli.main`: dispatch and exit codes (``run``, the console script's entry);
 - :mod:`~omni_trio.cli.args`: the grammar (the parser, the CONFIG argument, usage errors);
+  :mod:`~omni_trio.cli.model_dir`: ``--model DIR`` (a pipeline's model swapped for a
+  checkpoint directory);
 - :mod:`~omni_trio.cli.commands`: the one-shot commands (``demo``, ``run``, ``validate``,
   ``schema``, ``bench``); :mod:`~omni_trio.cli.serve`: ``serve`` until SIGINT or SIGTERM;
 - :mod:`~omni_trio.cli.runner`: running prompts through an engine (stream text, save audio,

@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     run.add_argument("--output-dir", default="omni-output", help="where WAVs go (./omni-output)")
     run.add_argument("--max-tokens", type=int, default=None, help="max tokens of the text stage")
+    run.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="a checkpoint directory for every stage that loads the pipeline's model "
+        "(e.g. qwen3-omni's thinker, talker and code2wav) instead of its default",
+    )
 
     serve = sub.add_parser(
         "serve",
@@ -91,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         "let in-flight requests finish for --grace-period seconds, abort the rest, exit 0.",
     )
     serve.add_argument("config", metavar="CONFIG", help="pipeline file or shipped pipeline name")
+    serve.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="a checkpoint directory for every stage that loads the pipeline's model "
+        "(e.g. qwen3-omni's thinker, talker and code2wav) instead of its default",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     serve.add_argument("--grace-period", type=float, default=10.0, help="seconds (10)")

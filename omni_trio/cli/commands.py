@@ -27,6 +27,7 @@ import trio
 
 from ..pipelines import default_pipeline_path
 from .args import UsageError, load_config_arg
+from .model_dir import load_config_with_model
 from .runner import (
     RunSummary,
     StageTimer,
@@ -156,7 +157,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     _max_tokens(args.max_tokens)
-    config = load_config_arg(args.config)
+    config = load_config_with_model(args.config, args.model)
     if any(not p for p in args.prompt):
         raise UsageError("--prompt must not be empty")
     summary = trio.run(_until_sigint, partial(_run_pipeline, args, config, args.prompt))

@@ -96,10 +96,16 @@ async def run_prompts(
 ) -> list[Path]:
     """Run each prompt in turn: stream the text stage's text to ``out`` as it arrives, write
     each audio stage's output as ``output_dir/prompt-<n>[-<stage>].wav``, print per-stage
-    timing. Returns the WAV paths. Checkpoints; raises the request's error (StageError ...)."""
+    timing. A prompt goes to the model as a user turn through its chat template when the text
+    stage's tokenizer has one (a Qwen-Omni talker speaks the template's assistant turn), else
+    as it is. Returns the WAV paths. Checkpoints; raises the request's error (StageError
+    ...)."""
+    from ..server.chat_model import ChatModel
+
     out = out or sys.stdout
     cfg = engine.config
     text_sid, audio_sid = text_stage(cfg), audio_stage(cfg)
+    chat = ChatModel(engine, text_sid)
     wanted = [*cfg.final_output_stages]
     for sid in (text_sid, audio_sid):
         if sid is not None and sid not in wanted:
@@ -113,7 +119,8 @@ async def run_prompts(
         rates: dict[str, int] = {}
         other_text: dict[str, list[str]] = {}
         t0 = time.perf_counter()
-        async with engine.generate(prompt, sampling_params=params, output_stages=wanted) as s:
+        rendered = await chat.prompt([("user", prompt)], prompt)
+        async with engine.generate(rendered, sampling_params=params, output_stages=wanted) as s:
             rid = s.request_id
             async for o in s:
                 if o.kind == "audio":

@@ -21,7 +21,8 @@ import trio
 
 from ..errors import StageStopError
 from ..failures import leaves
-from .args import UsageError, load_config_arg
+from .args import UsageError
+from .model_dir import load_config_with_model
 from .runner import format_init_table, format_statistics
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ async def _serve(args: argparse.Namespace, config: PipelineConfig) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    config = load_config_arg(args.config)
+    config = load_config_with_model(args.config, args.model)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.grace_period < 0:

@@ -13,7 +13,8 @@ Its modules: ``serve`` (``serve_http``, ``serve_engine``) and ``connections`` (H
 sockets bound beforehand, every connection held so shutdown takes bounded time); ``app``
 (the OpenAI-compatible app of one engine) with ``protocol`` (requests: validation, sampling
 params), ``bodies`` (the wire format of responses), ``responses`` (responses that run engine
-work), ``chat_audio`` (chat completions with audio), ``guard`` (the middleware in front of
+work), ``chat_audio`` (chat completions with audio), ``chat_model`` (the served model's
+chat template and voices), ``guard`` (the middleware in front of
 every endpoint), ``asgi`` (plumbing they share); ``lifecycle`` (where the server is in its
 life); ``metrics`` (Prometheus).
 """

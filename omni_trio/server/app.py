@@ -39,6 +39,7 @@ from .bodies import (
     usage,
 )
 from .chat_audio import AudioChat, prompt_tokens_of
+from .chat_model import ChatModel
 from .guard import DEFAULT_MAX_BODY_BYTES, RequestGuard, request_id_of
 from .lifecycle import ServerLifecycle, ServerPhase
 from .metrics import CONTENT_TYPE, EngineMetrics
@@ -141,17 +142,29 @@ class _Handlers:
         self.lifecycle = lifecycle
         self.text_stage = text_stage(engine.config)
         self.audio_stage = audio_stage(engine.config)
-        self.audio_chat = AudioChat(engine, model, self.text_stage, self.audio_stage)
+        self.chat_model = ChatModel(engine, self.text_stage)
+        self.audio_chat = AudioChat(
+            engine, model, self.text_stage, self.audio_stage, self.chat_model
+        )
 
-    def _text_stream(self, req: ChatRequest | CompletionRequest, rid: str) -> RequestStream:
+    async def _text_stream(self, req: ChatRequest | CompletionRequest, rid: str) -> RequestStream:
         sampling = {self.text_stage: req.sampling}
-        if isinstance(req, ChatRequest) and req.modalities is not None:
-            # the chat's modalities (text only here) pick the output stages
+        if isinstance(req, ChatRequest):
+            prompt = await self.chat_model.prompt(req.messages, req.prompt)
+            if req.modalities is not None:
+                # the chat's modalities (text only here) pick the output stages
+                return self.engine.generate(
+                    prompt,
+                    request_id=rid,
+                    sampling_params=sampling,
+                    output_modalities=req.modalities,
+                )
             return self.engine.generate(
-                req.prompt,
+                prompt,
                 request_id=rid,
                 sampling_params=sampling,
-                output_modalities=req.modalities,
+                final_stage_id=self.text_stage,
+                output_stages=[self.text_stage],
             )
         return self.engine.generate(
             req.prompt,
@@ -208,7 +221,7 @@ class _Handlers:
         self, req: ChatRequest | CompletionRequest, rid: str, *, chat: bool
     ) -> Computed:
         text, n_tokens, prompt_tokens, reason = [], 0, 0, None
-        async with self._text_stream(req, rid) as stream:
+        async with await self._text_stream(req, rid) as stream:
             async for out in stream:
                 text.append(out.text)
                 n_tokens += len(out.token_ids)
@@ -247,7 +260,7 @@ class _Handlers:
 
     async def _chat_events(self, req: ChatRequest, rid: str) -> AsyncGenerator[Any, None]:
         created, n_tokens, prompt_tokens = now(), 0, 0
-        async with self._text_stream(req, rid) as stream:
+        async with await self._text_stream(req, rid) as stream:
             # admitted (or raised) by now: the role chunk opens the stream at once
             yield chat_chunk(rid, self.model, created, {"role": "assistant", "content": ""}, None)
             async for out in stream:
@@ -267,7 +280,7 @@ class _Handlers:
         self, req: CompletionRequest, rid: str
     ) -> AsyncGenerator[Any, None]:
         created, n_tokens, prompt_tokens = now(), 0, 0
-        async with self._text_stream(req, rid) as stream:
+        async with await self._text_stream(req, rid) as stream:
             if req.echo and isinstance(req.prompt, str):
                 yield completion_chunk(rid, self.model, created, req.prompt, None)
             else:
@@ -304,9 +317,12 @@ class _Handlers:
 
         async def compute() -> Computed:
             chunks, rate = [], None
-            sampling = {self.text_stage: req.sampling} if req.sampling else None
+            voices = await self.chat_model.voice_params(req.voice, param="voice")
+            sampling = {self.text_stage: req.sampling, **voices}
+            # the input as the user's turn: a Qwen-Omni talker speaks an assistant turn
+            prompt = await self.chat_model.prompt([("user", req.input)], req.input)
             async with self.engine.generate(
-                req.input,
+                prompt,
                 request_id=f"speech-{rid}",
                 sampling_params=sampling,
                 final_stage_id=stage,

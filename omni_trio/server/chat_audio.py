@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..audio import concat_audio, pcm16_bytes, sample_rate_of, to_float_list, wav_bytes
 from ..outputs import OmniOutput
 from .bodies import chat_chunk, now, openai_finish_reason, usage
+from .chat_model import ChatModel
 from .protocol import ChatRequest
 from .responses import Computed
 
@@ -96,24 +97,34 @@ class _Tally:
 class AudioChat:
     """The chat endpoint's audio answers for one engine: :meth:`complete` (a JSON body) and
     :meth:`events` (SSE chunks). ``text_stage`` takes the request's sampling params;
-    ``audio_stage`` gives the sample rate when the outputs do not."""
+    ``audio_stage`` gives the sample rate when the outputs do not; ``chat_model`` renders the
+    prompt and maps ``audio.voice`` onto the talker stages."""
 
     def __init__(
-        self, engine: Engine, model: str, text_stage: str, audio_stage: str | None
+        self,
+        engine: Engine,
+        model: str,
+        text_stage: str,
+        audio_stage: str | None,
+        chat_model: ChatModel | None = None,
     ) -> None:
         self.engine = engine
         self.model = model
         self.text_stage = text_stage
         self.audio_stage = audio_stage
+        self.chat_model = chat_model or ChatModel(engine, text_stage)
         types = {st.output_type for st in engine.config.stages}
         self.produces_text = "text" in types
 
-    def _stream(self, req: ChatRequest, rid: str) -> RequestStream:
+    async def _stream(self, req: ChatRequest, rid: str) -> RequestStream:
+        # before anything runs: a bad voice or a refused template is a 400
         assert req.modalities is not None
+        voices = await self.chat_model.voice_params(req.voice)
+        prompt = await self.chat_model.prompt(req.messages, req.prompt)
         return self.engine.generate(
-            req.prompt,
+            prompt,
             request_id=rid,
-            sampling_params={self.text_stage: req.sampling},
+            sampling_params={self.text_stage: req.sampling, **voices},
             output_modalities=engine_modalities(req.modalities, self.produces_text),
         )
 
@@ -125,7 +136,7 @@ class AudioChat:
         """Run the request; the ``chat.completion`` body with ``message.audio``. Checkpoints;
         cancelling it aborts the request in every stage. Raises the engine's errors."""
         tally = _Tally()
-        async with self._stream(req, rid) as stream:
+        async with await self._stream(req, rid) as stream:
             async for out in stream:
                 tally.add(out)
         samples = concat_audio(tally.audio)
@@ -159,7 +170,7 @@ class AudioChat:
         def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
             return chat_chunk(rid, self.model, created, delta, finish)
 
-        async with self._stream(req, rid) as stream:
+        async with await self._stream(req, rid) as stream:
             yield chunk({"role": "assistant", "content": None})
             async for out in stream:
                 tally.add(out)

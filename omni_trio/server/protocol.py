@@ -217,8 +217,11 @@ AUDIO_FORMATS = ("wav", "pcm16")
 
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
-    """A validated chat request. ``modalities``: the OpenAI ``modalities`` field (None when
-    absent); ``audio_format``: ``wav`` or ``pcm16`` when audio is requested, else None."""
+    """A validated chat request. ``prompt``: the messages in the fallback chat format
+    (:func:`chat_prompt`), ``messages``: the ``(role, text)`` turns (for the model's own chat
+    template); ``modalities``: the OpenAI ``modalities`` field (None when absent);
+    ``audio_format``: ``wav`` or ``pcm16`` when audio is requested, else None; ``voice``: the
+    ``audio.voice`` asked for (None when absent)."""
 
     model: str
     prompt: str
@@ -227,6 +230,8 @@ class ChatRequest:
     sampling: dict[str, Any]
     modalities: tuple[str, ...] | None = None
     audio_format: str | None = None
+    messages: tuple[tuple[str, str], ...] = ()
+    voice: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,13 +286,15 @@ def chat_prompt(messages: Sequence[tuple[str, str]]) -> str:
 
 def _chat_output(
     body: Mapping[str, Any], stream: bool
-) -> tuple[tuple[str, ...] | None, str | None]:
-    """``modalities`` and the audio format of a chat body (pure). OpenAI's rules: modalities
-    are ``text`` and ``audio``; a stream carries audio as ``pcm16``. ``audio`` may be left
-    out (format ``wav``, or ``pcm16`` when streaming); its ``voice`` is accepted and unused."""
+) -> tuple[tuple[str, ...] | None, str | None, str | None]:
+    """``modalities``, the audio format and the voice of a chat body (pure). OpenAI's rules:
+    modalities are ``text`` and ``audio``; a stream carries audio as ``pcm16``. ``audio`` may
+    be left out (format ``wav``, or ``pcm16`` when streaming); its ``voice``, a string, is
+    checked against the pipeline's voices by the server (a pipeline without a talker stage
+    has none to choose: it is accepted and unused)."""
     value = body.get("modalities")
     if value is None:
-        return None, None
+        return None, None, None
     if not isinstance(value, list) or not value:
         raise RequestValidationError(
             "modalities must be a non-empty list of 'text' and/or 'audio'", param="modalities"
@@ -302,7 +309,12 @@ def _chat_output(
     if audio is not None and not isinstance(audio, dict):
         raise RequestValidationError("audio must be an object {voice, format}", param="audio")
     if "audio" not in modalities:
-        return modalities, None
+        return modalities, None, None
+    voice = (audio or {}).get("voice")
+    if voice is not None and not isinstance(voice, str):
+        raise RequestValidationError(
+            f"audio.voice must be a string, got {type(voice).__name__}", param="audio.voice"
+        )
     fmt = (audio or {}).get("format", "pcm16" if stream else "wav")
     if fmt not in AUDIO_FORMATS:
         raise RequestValidationError(
@@ -312,7 +324,7 @@ def _chat_output(
         raise RequestValidationError(
             f"audio.format must be 'pcm16' when stream is true, got {fmt!r}", param="audio.format"
         )
-    return modalities, fmt
+    return modalities, fmt, voice
 
 
 def parse_chat(body: Any, model: str) -> ChatRequest:
@@ -342,9 +354,17 @@ def parse_chat(body: Any, model: str) -> ChatRequest:
                 param=f"messages[{i}].content",
             )
         turns.append((role, _message_text(m.get("content"), i)))
-    modalities, audio_format = _chat_output(body, stream)
+    modalities, audio_format, voice = _chat_output(body, stream)
     return ChatRequest(
-        model, chat_prompt(turns), stream, include_usage, _sampling(body), modalities, audio_format
+        model,
+        chat_prompt(turns),
+        stream,
+        include_usage,
+        _sampling(body),
+        modalities,
+        audio_format,
+        tuple(turns),
+        voice,
     )
 
 

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import wave
+from typing import TYPE_CHECKING
 
 import httpx
 import psutil
@@ -26,6 +27,9 @@ from omni_trio.cli.main import main
 
 from ..conftest import EngineWaitTimeout, engine_seconds, kill_processes, process_tree
 from .test_main import TWO_STAGES, log_file, one_line_error, pipeline, write
+
+if TYPE_CHECKING:
+    import openai
 
 
 def test_serve_on_a_taken_port_is_a_one_line_runtime_error(tmp_path, capsys):
@@ -86,6 +90,14 @@ class Server:
         if self.proc.poll() is None:
             kill_processes(process_tree(self.proc.pid))
         self.proc.wait()
+
+    def leftovers(self, kids: list[psutil.Process]) -> tuple[str, list[psutil.Process]]:
+        """Once the server is gone: its stderr, and which of ``kids`` outlived it (killed now,
+        so that a failing stop's processes die with the test)."""
+        err = self.proc.stderr.read() if self.proc.stderr else ""
+        left = alive(kids)
+        kill_processes(left)
+        return err, left
 
     def children(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children(recursive=True)
@@ -156,6 +168,19 @@ def test_serve_stops_on_a_signal_with_a_request_in_flight(tmp_path, sig, grace, 
     assert not left
 
 
+def openai_client(port: int, timeout: float) -> openai.OpenAI:
+    """An OpenAI client of the server on ``port``: no retries, each call bounded by
+    ``engine_seconds(timeout)``."""
+    import openai
+
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1",
+        api_key="x",
+        max_retries=0,
+        timeout=engine_seconds(timeout),
+    )
+
+
 def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     """The processes of ``procs`` still running (zombies count as gone: they hold nothing)."""
     left = []
@@ -178,19 +203,13 @@ def iter_queue(q: queue.Queue[str]):
 
 @pytest.mark.vllm
 def test_serve_tiny_omni_chat_and_speech_then_sigterm_leaves_no_engine_process():
-    import openai
 
     server = Server(["tiny-omni", "--grace-period", "5"])
     try:
         port = server.wait_for_port(timeout=600)
         kids = server.children()
         assert kids  # vLLM's EngineCore processes
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1",
-            api_key="x",
-            max_retries=0,
-            timeout=engine_seconds(120),
-        )
+        client = openai_client(port, 120)
         resp = client.chat.completions.create(
             model="tiny-omni", messages=[{"role": "user", "content": "Hi!"}], max_tokens=8
         )
@@ -223,9 +242,7 @@ def test_serve_tiny_omni_chat_and_speech_then_sigterm_leaves_no_engine_process()
         rc = server.proc.wait(engine_seconds(120))
     finally:
         server.kill()
-    err = server.proc.stderr.read() if server.proc.stderr else ""
-    left = alive(kids)
-    kill_processes(left)  # what a failing stop left dies with the test
+    err, left = server.leftovers(kids)
     assert rc == 0, err[-3000:]
     assert not left  # not even for a moment after the exit: no race to lose
     # vLLM stopped its engines cleanly: nothing killed, nothing left to the resource tracker

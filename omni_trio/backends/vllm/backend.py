@@ -65,7 +65,9 @@ warns once and drops them). An option vLLM refuses (a LoRA on an engine without
 
 ``collective_rpc(method, args, kwargs)`` passes through to ``AsyncLLM.collective_rpc``, except
 these control methods, answered by the backend: ``get_num_unfinished_requests``,
-``get_num_queued_tokens``, ``engine_core_pids``, ``check_health``, ``reset_prefix_cache``.
+``get_num_queued_tokens``, ``engine_core_pids``, ``check_health``, ``reset_prefix_cache``,
+``chat_template`` (the tokenizer's default chat template, or None: the server renders chats
+with it).
 
 Engine death (the EngineCore process exits): the replica is marked dead, its requests fail
 with :class:`~omni_trio.errors.ReplicaDeadError`, ``serve()`` stops the worker and returns.

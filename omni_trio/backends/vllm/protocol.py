@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -206,6 +207,15 @@ def request_options(context: RequestContext, *, entry: bool) -> dict[str, Any] |
 def merge_engine_args(engine_args: dict[str, Any], *, on_cpu: bool) -> dict[str, Any]:
     """The stage's engine args over the CPU defaults (on CPU only). Pure."""
     return {**CPU_ENGINE_DEFAULTS, **engine_args} if on_cpu else dict(engine_args)
+
+
+def chat_template_of(tokenizer: Any) -> str | None:
+    """A tokenizer's default chat template: its ``chat_template`` string, the ``default``
+    of named templates, or None (no tokenizer, no template). Pure."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, Mapping):
+        template = template.get("default")
+    return template if isinstance(template, str) and template else None
 
 
 def check_sampling_keys(params: dict[str, Any], fields: tuple[str, ...]) -> None:

@@ -38,7 +38,7 @@ from ...transport.loop_host import LoopHost, LoopKind
 from .engine_requests import EngineRequests, RequestCommand
 from .process import SpawnWindow, engine_core_children, import_vllm, kill, reap
 from .process import shutdown_engine as _shutdown
-from .protocol import Batch, Died, Ready, Rpc, Submit, merge_engine_args
+from .protocol import Batch, Died, Ready, Rpc, Submit, chat_template_of, merge_engine_args
 from .torchvision_cpu import prepare_for_model
 
 logger = logging.getLogger(__name__)
@@ -359,6 +359,8 @@ class EngineWorker:
             return await engine.check_health()
         if rpc.method == "reset_prefix_cache":
             return await engine.reset_prefix_cache()
+        if rpc.method == "chat_template":
+            return chat_template_of(engine.tokenizer)
         return await engine.collective_rpc(
             rpc.method, timeout=None, args=rpc.args, kwargs=rpc.kwargs
         )
