@@ -50,6 +50,7 @@ def test_qwen3_omni_points_all_three_stages_at_the_directory():
     }
 
 
+@pytest.mark.slow  # loading checks the vllm stage's engine_args against vLLM (imports it)
 def test_loaded_with_the_overrides_only_the_model_changes(checkpoint):
     cfg = load_config_with_model("qwen3-omni", checkpoint)
     default = load_config_with_model("qwen3-omni", None)

@@ -222,6 +222,7 @@ ENSURE_FROM_THREADS = """
 """
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 @pytest.mark.parametrize("compiled", [None, "broken"])
 def test_schemas_are_defined_once_where_the_compiled_ops_do_not_load(
     tmp_path: Path, compiled: str | None
@@ -238,6 +239,7 @@ def test_schemas_are_defined_once_where_the_compiled_ops_do_not_load(
     ]
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 def test_a_torchvision_whose_compiled_ops_load_is_left_alone(tmp_path: Path) -> None:
     directory = fake_torchvision(tmp_path / "tv", "loads")
     lines = run_python(tmp_path, ENSURE_FROM_THREADS, args=(str(directory),)).splitlines()
@@ -251,6 +253,7 @@ def test_a_torchvision_whose_compiled_ops_load_is_left_alone(tmp_path: Path) -> 
     ]
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 def test_the_plugin_prepares_a_spawned_process_the_environment_names(tmp_path: Path) -> None:
     directory = fake_torchvision(tmp_path / "tv", "broken")
     out = run_python(
