@@ -237,3 +237,26 @@ async def test_concurrent_requests_share_decode_steps(
         state = await talker_state(engine)
         assert state["largest_step"] > 1 and state["decoding"] == 0
         assert in_flight_problems(engine) == []
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({}, r"\$\.stages\[0\]\.options: Object missing required field `model`"),
+        ({"model": "m", "speed": 2}, r"options\.speed: unknown talker option 'speed'; known: "),
+        ({"model": "m", "max_batch_size": 0}, r"options\.max_batch_size: Expected `int` >= 1"),
+        ({"model": "m", "dtype": "int8"}, r"options\.dtype"),
+    ],
+)
+def test_bad_options_fail_at_config_load_naming_the_key(
+    options: dict[str, Any], message: str
+) -> None:
+    from omni_trio.config import load_config
+    from omni_trio.errors import ConfigError
+
+    raw = {
+        "name": "p",
+        "stages": [{"id": "talker", "backend": "talker", "options": options, "final_output": True}],
+    }
+    with pytest.raises(ConfigError, match=message):
+        load_config(raw)
