@@ -411,7 +411,8 @@ def decode_step(model: Qwen3Talker, states: Sequence[DecodeState]) -> list[list[
     going: list[int] = []
     code0s: list[Any] = []
     hidden: list[Any] = []
-    with torch.no_grad():
+    # inference mode: no autograd bookkeeping at all (~12% of a tiny step)
+    with torch.inference_mode():
         for i, state in enumerate(states):
             if state.finished is not None:
                 raise ValueError(f"request {i} of the step already finished ({state.finished})")
