@@ -30,6 +30,7 @@ from ..errors import BackendUnavailableError, ConfigError
 from .building import CORPUS_WORDS, save_quietly
 from .progress import report_step
 from .qwen_omni.qwen3 import Qwen3OmniSpec, build_qwen3_omni
+from .qwen_omni.qwen25 import Qwen25OmniSpec, build_qwen25_omni
 
 __all__ = [
     "FAMILY_PRESETS",
@@ -86,8 +87,9 @@ TINY_PRESETS: Mapping[str, TinySpec] = {
 
 #: Presets of real architectures (:mod:`omni_trio.models.qwen_omni`), each built by its
 #: family's own recipe; the only override they take is ``seed``.
-FAMILY_PRESETS: Mapping[str, Qwen3OmniSpec] = {
+FAMILY_PRESETS: Mapping[str, Qwen3OmniSpec | Qwen25OmniSpec] = {
     "qwen3-omni": Qwen3OmniSpec(),
+    "qwen2.5-omni": Qwen25OmniSpec(),
 }
 #: bump when a family recipe changes
 _FAMILY_RECIPE_VERSION = 1
@@ -184,7 +186,11 @@ def _recipe_for(
     _import_build_deps()
 
     def build(out: Path) -> None:
-        build_qwen3_omni(family, out, label=f"tiny model {name!r}", progress=progress)
+        label = f"tiny model {name!r}"
+        if isinstance(family, Qwen25OmniSpec):
+            build_qwen25_omni(family, out, label=label, progress=progress)
+        else:
+            build_qwen3_omni(family, out, label=label, progress=progress)
 
     return digest, build, recorded
 

@@ -8,8 +8,9 @@ waits for that finished input (the talker's prompt holds the whole assistant tur
 rows and one reply row per step; a talker fed while the thinker still runs is not this one).
 
 Output: one :class:`~omni_trio.outputs.StageOutput` per decode step, ``token_ids`` = that
-step's frame (16 codes: code group 0, then the 15 residual codes), so a ``torch`` code2wav
-stage with ``stream_input: true`` decodes audio while the talker runs. The last output is
+step's frame (Qwen3-Omni: 16 codes, code group 0 then the 15 residual codes; Qwen2.5-Omni:
+one code), so a ``torch`` code2wav stage with ``stream_input: true`` decodes audio while the
+talker runs (Qwen2.5-Omni's token2wav takes the whole utterance instead). The last output is
 ``finished`` with ``finish_reason`` ``"stop"`` (the codec EOS) or ``"length"``
 (``max_tokens``) and ``metrics`` ``{frames, compute_s}``. A reply shorter than 2 tokens has
 nothing to say: the request finishes at once with no frame (transformers' generate() raises
@@ -60,7 +61,7 @@ from ...stages.emit import Emit
 from ...stages.input_stream import InputStream
 
 if TYPE_CHECKING:
-    from ...models.qwen_omni.talker import Qwen3Talker
+    from ...models.qwen_omni.talker import Talker
 
 __all__ = ["TalkerBackend", "talker_request"]
 
@@ -117,7 +118,7 @@ class TalkerBackend(StageBackend):
             where=f"$.stages[{stage_index}].options",
             backend="talker",
         )
-        self._model: Qwen3Talker | None = None
+        self._model: Talker | None = None
         self._limiter = trio.CapacityLimiter(self.options.max_concurrency)
         self._decoding = 0
         self._frames = 0
@@ -127,7 +128,7 @@ class TalkerBackend(StageBackend):
         self._model = await trio.to_thread.run_sync(self._load)
         self.mark_phase("model_loaded")
 
-    def _load(self) -> Qwen3Talker:
+    def _load(self) -> Talker:
         from ...models.qwen_omni.talker import load_talker
         from ...models.tiny import resolve_model
 
@@ -226,7 +227,7 @@ class TalkerBackend(StageBackend):
         if method == "describe":
             return {
                 "model": self.options.model,
-                "family": "qwen3-omni",
+                "family": model.family,
                 "speakers": list(model.speakers),
                 "num_parameters": model.num_parameters(),
                 "codes_per_frame": model.codes_per_frame,

@@ -22,13 +22,14 @@ from __future__ import annotations
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ...errors import ConfigError
 from .checkpoint import checkpoint_tensors, load_part, read_config
 
 __all__ = [
     "Qwen3Talker",
+    "Talker",
     "TalkerInputs",
     "TalkerSampling",
     "load_talker",
@@ -115,12 +116,31 @@ class TalkerInputs:
     tts_pad: Any
 
 
+class Talker(Protocol):
+    """What the ``talker`` backend runs: a family's talker (:class:`Qwen3Talker`,
+    :class:`~omni_trio.models.qwen_omni.qwen25_talker.Qwen25Talker`). ``prepare`` builds a
+    request's input (``None``: nothing to say), ``frames`` decodes it one frame per step."""
+
+    codes_per_frame: int
+    family: str
+    speakers: tuple[str, ...]
+
+    def prepare(
+        self, prompt_ids: Sequence[int], reply_ids: Sequence[int], speaker: str
+    ) -> object | None: ...
+
+    def frames(self, inputs: Any, sampling: TalkerSampling) -> Generator[list[int], None, str]: ...
+
+    def num_parameters(self) -> int: ...
+
+
 class Qwen3Talker:
     """The talker's weights and the thinker's embedding table, loaded from a checkpoint.
     Immutable once loaded; safe to use from one thread at a time per request (each request's
     state lives in its own generator)."""
 
     codes_per_frame = 16
+    family = "qwen3-omni"
 
     def __init__(self, config: Any, embed: Any, talker: Any) -> None:
         self.config = config
@@ -354,13 +374,17 @@ def talker_frames(
     return "length"
 
 
-def load_talker(path: str | Path, dtype: str = "float32") -> Qwen3Talker:
+def load_talker(path: str | Path, dtype: str = "float32") -> Talker:
     """The talker of the Qwen-Omni checkpoint at ``path``, for its family. Blocking.
     Raises :class:`ConfigError` for a checkpoint of another architecture."""
     model_type = getattr(read_config(path), "model_type", None)
     if model_type == "qwen3_omni_moe":
         return Qwen3Talker.load(path, dtype)
+    if model_type == "qwen2_5_omni":
+        from .qwen25_talker import Qwen25Talker
+
+        return Qwen25Talker.load(path, dtype)
     raise ConfigError(
-        f"{path}: a talker stage runs Qwen-Omni checkpoints (model_type qwen3_omni_moe), "
-        f"not model_type {model_type!r}"
+        f"{path}: a talker stage runs Qwen-Omni checkpoints (model_type qwen3_omni_moe or "
+        f"qwen2_5_omni), not model_type {model_type!r}"
     )
