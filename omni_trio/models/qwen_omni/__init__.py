@@ -8,14 +8,19 @@ what vLLM does not: the talker and the vocoder, loaded from the same checkpoint.
   architecture shrunk, seeded weights, a checked forward pass);
 - :mod:`~omni_trio.models.qwen_omni.qwen25`: the ``tiny:qwen2.5-omni`` preset's recipe (the
   whole architecture shrunk, seeded weights and voices, a checked forward pass);
+- :mod:`~omni_trio.models.qwen_omni.recipe`: the build both recipes share (tokenizer, config,
+  seeded init, forward check, save);
 - :mod:`~omni_trio.models.qwen_omni.tokenizer`: tiny tokenizers with the family's special
   tokens;
 - :mod:`~omni_trio.models.qwen_omni.checkpoint`: loading one part of a checkpoint (the talker,
   the vocoder) without the rest;
 - :mod:`~omni_trio.models.qwen_omni.handoff`: the input processor from the thinker stage to
   the talker stage (token ids only);
-- :mod:`~omni_trio.models.qwen_omni.talker`: the talker, one decode step (one 16-code frame) at
-  a time, as the ``talker`` backend runs it;
+- :mod:`~omni_trio.models.qwen_omni.talker`: the Qwen3-Omni talker, one decode step (one
+  16-code frame) at a time, as the ``talker`` backend runs it, and ``load_talker`` (a
+  checkpoint's talker, for its family);
+- :mod:`~omni_trio.models.qwen_omni.sampling`: how a talker picks its codes (a request's
+  sampling params, generate()'s logits processors);
 - :mod:`~omni_trio.models.qwen_omni.qwen25_talker`: the Qwen2.5-Omni talker, one code per
   decode step, with the thinker's hidden states recomputed in the talker stage;
 - :mod:`~omni_trio.models.qwen_omni.code2wav`: code2wav as a ``torch`` backend module

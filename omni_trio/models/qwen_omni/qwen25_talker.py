@@ -31,7 +31,7 @@ from typing import Any
 
 from ...errors import ConfigError
 from .checkpoint import load_part, read_config
-from .talker import TalkerSampling, _pick, _processors
+from .sampling import TalkerSampling, logits_processors, pick
 
 __all__ = [
     "Qwen25Talker",
@@ -199,7 +199,7 @@ def qwen25_frames(
     tc = talker.config
     eos = (tc.tts_codec_pad_token_id, tc.tts_codec_end_token_id)
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-    procs = _processors(sampling, [tc.tts_codec_start_token_id])
+    procs = logits_processors(sampling, [tc.tts_codec_start_token_id])
     cache = DynamicCache(config=tc)
     ids = inputs.codec_ids
     part = inputs.reply_part
@@ -217,7 +217,7 @@ def qwen25_frames(
             )
             part = out.thinker_reply_part
             logits = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
-            code = _pick(procs(ids, logits), sampling.do_sample, gen)
+            code = pick(procs(ids, logits), sampling.do_sample, gen)
             ids = torch.cat((ids, code[:, None]), dim=1)
             if int(code.item()) in eos:
                 return "stop"
