@@ -6,8 +6,6 @@ checkpoint of a 3-stage request, and cleanup: nothing left in flight, no step le
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +16,8 @@ import omni_trio
 from omni_trio import Engine
 from omni_trio.errors import StageError
 from omni_trio.testing import cancel_at_every_checkpoint, in_flight_problems
+
+from .conftest import engine_on, talker_state
 
 pytestmark = pytest.mark.slow
 
@@ -77,20 +77,6 @@ def config(path: Path, *, thinker: dict[str, Any] | None = None, frames: int = 4
             },
         ],
     }
-
-
-@asynccontextmanager
-async def engine_on(cfg: dict) -> AsyncIterator[Engine]:
-    with trio.fail_after(180):
-        async with omni_trio.open_engine(cfg) as engine:
-            yield engine
-
-
-async def talker_state(engine: Engine) -> dict[str, Any]:
-    with trio.fail_after(30):
-        (described,) = await engine.collective_rpc("describe", stage_ids=["talker"])
-    assert isinstance(described, dict)
-    return described
 
 
 async def test_frames_stream_into_audio_and_nothing_is_left(

@@ -8,18 +8,17 @@ a reply with nothing to say, a failing step, cancellation at every checkpoint, a
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
-import omni_trio
 from omni_trio import Engine
 from omni_trio.errors import StageError
 from omni_trio.testing import cancel_at_every_checkpoint, in_flight_problems
+
+from .conftest import engine_on, talker_state
 
 pytestmark = pytest.mark.slow
 
@@ -78,20 +77,6 @@ def config(path: Path, *, thinker: dict[str, Any] | None = None, codes: int = 6)
             },
         ],
     }
-
-
-@asynccontextmanager
-async def engine_on(cfg: dict) -> AsyncIterator[Engine]:
-    with trio.fail_after(180):
-        async with omni_trio.open_engine(cfg) as engine:
-            yield engine
-
-
-async def talker_state(engine: Engine) -> dict[str, Any]:
-    with trio.fail_after(30):
-        (described,) = await engine.collective_rpc("describe", stage_ids=["talker"])
-    assert isinstance(described, dict)
-    return described
 
 
 async def test_codes_then_one_utterance_and_nothing_is_left(
