@@ -42,6 +42,22 @@ def test_qwen3_omni_pipeline_loads() -> None:
     assert code2wav.stream_input and code2wav.options["chunk_size"] % 16 == 0
 
 
+def test_qwen25_omni_pipeline_loads() -> None:
+    cfg = load_config(pipeline_path("qwen2.5-omni"))
+    assert cfg.stage_ids == ["thinker", "talker", "token2wav"]
+    assert cfg.final_output_stages == ["thinker", "token2wav"]
+    assert [s.backend for s in cfg.stages] == ["vllm", "talker", "torch"]
+    thinker, talker, token2wav = cfg.stages
+    assert thinker.engine_args["model"] == "tiny:qwen2.5-omni"
+    assert thinker.engine_args["language_model_only"] is True
+    assert thinker.engine_args["dtype"] == "float32"
+    assert talker.options["model"] == token2wav.options["model"] == "tiny:qwen2.5-omni"
+    assert talker.input_processor == "omni_trio.models.qwen_omni.handoff:thinker_to_talker"
+    # the DiT looks ahead: one whole utterance, its noise from a fixed seed
+    assert not token2wav.stream_input and isinstance(token2wav.options["seed"], int)
+    assert token2wav.options["factory"] == "omni_trio.models.qwen_omni.token2wav:build_token2wav"
+
+
 def test_default_pipeline_is_tiny_omni_on_vllm() -> None:
     path = default_pipeline_path()
     assert path.name == "tiny-omni.yaml" and path.is_file()

@@ -131,7 +131,7 @@ class TalkerOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         str,
         Meta(
             description="the Qwen-Omni checkpoint: a directory, or a tiny: preset "
-            "(tiny:qwen3-omni)",
+            "(tiny:qwen3-omni, tiny:qwen2.5-omni)",
             min_length=1,
         ),
     ]

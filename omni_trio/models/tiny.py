@@ -29,7 +29,9 @@ from typing import Any
 from ..errors import BackendUnavailableError, ConfigError
 from .building import CORPUS_WORDS, save_quietly
 from .progress import report_step
-from .qwen_omni.qwen3 import Qwen3OmniSpec, build_qwen3_omni
+from .qwen_omni.qwen3 import build_qwen3_omni
+from .qwen_omni.qwen25 import build_qwen25_omni
+from .qwen_omni.recipe import FamilySpec
 
 __all__ = [
     "FAMILY_PRESETS",
@@ -86,8 +88,9 @@ TINY_PRESETS: Mapping[str, TinySpec] = {
 
 #: Presets of real architectures (:mod:`omni_trio.models.qwen_omni`), each built by its
 #: family's own recipe; the only override they take is ``seed``.
-FAMILY_PRESETS: Mapping[str, Qwen3OmniSpec] = {
-    "qwen3-omni": Qwen3OmniSpec(),
+FAMILY_PRESETS: Mapping[str, FamilySpec] = {
+    "qwen3-omni": FamilySpec("qwen3-omni", seed=1234),
+    "qwen2.5-omni": FamilySpec("qwen2.5-omni", seed=4321),
 }
 #: bump when a family recipe changes
 _FAMILY_RECIPE_VERSION = 1
@@ -184,7 +187,9 @@ def _recipe_for(
     _import_build_deps()
 
     def build(out: Path) -> None:
-        build_qwen3_omni(family, out, label=f"tiny model {name!r}", progress=progress)
+        label = f"tiny model {name!r}"
+        builder = build_qwen25_omni if family.family == "qwen2.5-omni" else build_qwen3_omni
+        builder(family, out, label=label, progress=progress)
 
     return digest, build, recorded
 

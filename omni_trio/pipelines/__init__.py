@@ -16,7 +16,7 @@ from ..errors import ConfigError
 __all__ = ["DEFAULT_PIPELINE", "PIPELINES", "default_pipeline_path", "pipeline_path"]
 
 #: names of the shipped pipeline configs (``<name>.yaml`` in this package)
-PIPELINES: tuple[str, ...] = ("tiny-omni", "tiny-omni-scripted", "qwen3-omni")
+PIPELINES: tuple[str, ...] = ("tiny-omni", "tiny-omni-scripted", "qwen3-omni", "qwen2.5-omni")
 DEFAULT_PIPELINE = "tiny-omni"
 
 

@@ -8,8 +8,9 @@ waits for that finished input (the talker's prompt holds the whole assistant tur
 rows and one reply row per step; a talker fed while the thinker still runs is not this one).
 
 Output: one :class:`~omni_trio.outputs.StageOutput` per decode step, ``token_ids`` = that
-step's frame (16 codes: code group 0, then the 15 residual codes), so a ``torch`` code2wav
-stage with ``stream_input: true`` decodes audio while the talker runs. The last output is
+step's frame (Qwen3-Omni: 16 codes, code group 0 then the 15 residual codes; Qwen2.5-Omni:
+one code), so a ``torch`` code2wav stage with ``stream_input: true`` decodes audio while the
+talker runs (Qwen2.5-Omni's token2wav takes the whole utterance instead). The last output is
 ``finished`` with ``finish_reason`` ``"stop"`` (the codec EOS) or ``"length"``
 (``max_tokens``) and ``metrics`` ``{frames, compute_s}``. A reply shorter than 2 tokens has
 nothing to say: the request finishes at once with no frame (transformers' generate() raises
@@ -66,7 +67,7 @@ from ...stages.emit import Emit
 from ...stages.input_stream import InputStream
 
 if TYPE_CHECKING:
-    from ...models.qwen_omni.talker import DecodeState, Qwen3Talker
+    from ...models.qwen_omni.talker import Talker
 
 __all__ = ["TalkerBackend", "talker_request"]
 
@@ -101,7 +102,7 @@ def talker_request(
 class _Step:
     """One request waiting for (or in) a decode step."""
 
-    state: DecodeState
+    state: object
     done: trio.Event = field(default_factory=trio.Event)
     result: list[int] | str | None = None
     error: BaseException | None = None
@@ -125,7 +126,7 @@ class TalkerBackend(StageBackend):
             where=f"$.stages[{stage_index}].options",
             backend="talker",
         )
-        self._model: Qwen3Talker | None = None
+        self._model: Talker | None = None
         self._limiter = trio.CapacityLimiter(self.options.max_concurrency)
         self._pending: list[_Step] = []
         self._arrived = trio.Event()
@@ -139,7 +140,7 @@ class TalkerBackend(StageBackend):
         self._model = await trio.to_thread.run_sync(self._load)
         self.mark_phase("model_loaded")
 
-    def _load(self) -> Qwen3Talker:
+    def _load(self) -> Talker:
         from ...models.qwen_omni.talker import load_talker
         from ...models.tiny import resolve_model
 
@@ -193,7 +194,7 @@ class TalkerBackend(StageBackend):
             step.result = result
             step.done.set()
 
-    async def _next(self, state: DecodeState) -> list[int] | str:
+    async def _next(self, state: object) -> list[int] | str:
         step = _Step(state)
         self._pending.append(step)
         self._arrived.set()
@@ -247,7 +248,7 @@ class TalkerBackend(StageBackend):
             return
         await self._decode(request_id, model.start(prepared, sampling), emit)
 
-    async def _decode(self, request_id: str, state: DecodeState, emit: Emit) -> None:
+    async def _decode(self, request_id: str, state: object, emit: Emit) -> None:
         n = 0
         compute_s = 0.0
         self._decoding += 1
@@ -290,7 +291,7 @@ class TalkerBackend(StageBackend):
         if method == "describe":
             return {
                 "model": self.options.model,
-                "family": "qwen3-omni",
+                "family": model.family,
                 "device": model.device,
                 "speakers": list(model.speakers),
                 "num_parameters": model.num_parameters(),

@@ -21,7 +21,13 @@ from typing import Any
 
 from ...errors import ConfigError
 
-__all__ = ["checkpoint_tensors", "fuse_experts", "load_part", "read_config"]
+__all__ = [
+    "checkpoint_tensors",
+    "fuse_experts",
+    "load_part",
+    "module_checkpoint",
+    "read_config",
+]
 
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -35,6 +41,30 @@ def read_config(path: str | Path) -> Any:
         return AutoConfig.from_pretrained(str(path))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path}: not a model checkpoint transformers can read: {exc}") from exc
+
+
+def module_checkpoint(
+    owner: str, options: Mapping[str, Any], allowed: set[str], model_type: str
+) -> tuple[str, Any]:
+    """(path, config) of the checkpoint a torch-backend module factory's ``options["model"]``
+    names (a directory, or a ``tiny:`` preset, built if needed). Blocking. Raises
+    :class:`ConfigError`, prefixed with ``owner``, for an option not in ``allowed``, a missing
+    ``model`` or a checkpoint of another ``model_type``."""
+    from ..tiny import resolve_model
+
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ConfigError(f"{owner}: unknown options {unknown}; options are {sorted(allowed)}")
+    if "model" not in options:
+        raise ConfigError(
+            f"{owner}: options.model (a checkpoint directory or tiny: preset) is required"
+        )
+    path = resolve_model(str(options["model"]))
+    config = read_config(path)
+    found = getattr(config, "model_type", None)
+    if found != model_type:
+        raise ConfigError(f"{owner}: {path} is model_type {found!r}, not a {model_type} checkpoint")
+    return path, config
 
 
 def _shards(path: Path) -> list[Path]:

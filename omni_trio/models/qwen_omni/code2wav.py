@@ -21,8 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...errors import BackendUnavailableError, ConfigError
-from ..tiny import resolve_model
-from .checkpoint import load_part, read_config
+from .checkpoint import load_part, module_checkpoint
 
 try:
     import torch
@@ -46,25 +45,12 @@ def build_code2wav(options: Mapping[str, Any]) -> Code2WavModule:
     checkpoint that is not Qwen3-Omni."""
     from transformers import Qwen3OmniMoeCode2Wav
 
-    unknown = sorted(set(options) - _OPTIONS)
-    if unknown:
-        raise ConfigError(f"code2wav: unknown options {unknown}; options are {sorted(_OPTIONS)}")
-    if "model" not in options:
-        raise ConfigError(
-            "code2wav: options.model (a checkpoint directory or tiny: preset) is required"
-        )
     left_context = options.get("left_context", 25)
     if isinstance(left_context, bool) or not isinstance(left_context, int) or left_context < 1:
         raise ConfigError(
             f"code2wav: left_context must be an int >= 1 (frames), got {left_context!r}"
         )
-    path = resolve_model(str(options["model"]))
-    config = read_config(path)
-    if getattr(config, "model_type", None) != "qwen3_omni_moe":
-        raise ConfigError(
-            f"code2wav: {path} is model_type {getattr(config, 'model_type', None)!r}, "
-            "not a Qwen3-Omni checkpoint (qwen3_omni_moe)"
-        )
+    path, config = module_checkpoint("code2wav", options, _OPTIONS, "qwen3_omni_moe")
     dtype = getattr(torch, str(options.get("dtype", "float32")))
     decoder = load_part(Qwen3OmniMoeCode2Wav, config.code2wav_config, path, "code2wav.", dtype)
     return Code2WavModule(decoder.to(str(options.get("device", "cpu"))), left_context)

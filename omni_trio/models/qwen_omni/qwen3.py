@@ -17,18 +17,13 @@ this model, and the golden test compares the pipeline with transformers' float32
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass
-from importlib import import_module
 from pathlib import Path
 from typing import Any
 
-from ..building import save_quietly
-from ..progress import report_step
-from .tokenizer import FAMILY_TOKENS, build_tokenizer, token_ids
+from .recipe import FamilySpec, build_checkpoint
 
-__all__ = ["Qwen3OmniSpec", "build_qwen3_omni", "make_config"]
+__all__ = ["build_qwen3_omni", "make_config"]
 
 _CODEBOOK = 64
 _HIDDEN = 128
@@ -36,18 +31,6 @@ _MROPE = [12, 10, 10]
 _LLM_STD = 0.25
 #: the vocoder's last convolution: the residual blocks before it grow the signal ~15x
 _LAST_CONV = "code2wav.decoder.6.conv.weight"
-
-
-@dataclass(frozen=True, slots=True)
-class Qwen3OmniSpec:
-    """What the tiny Qwen3-Omni is made of; equal specs build identical files."""
-
-    seed: int = 1234
-    dtype: str = "float32"
-    family: str = "qwen3-omni"
-
-    def digest_fields(self) -> dict[str, object]:
-        return asdict(self)
 
 
 def make_config(ids: dict[str, int], vocab_size: int) -> Any:
@@ -216,31 +199,18 @@ def _check_forward(model: Any, ids: dict[str, int]) -> None:
         raise RuntimeError("the tiny Qwen3-Omni built non-finite outputs")
 
 
-def build_qwen3_omni(spec: Qwen3OmniSpec, out: Path, *, label: str, progress: bool) -> None:
+def build_qwen3_omni(spec: FamilySpec, out: Path, *, label: str, progress: bool) -> None:
     """Write the tiny checkpoint into ``out`` (an empty directory). Blocking, ~2 s."""
-    import torch
-
-    # transformers' classes are untyped: held as Any
-    transformers: Any = import_module("transformers")
-
-    report_step(label, 1, 4, "training the tokenizer", echo=progress)
-    fast = build_tokenizer(spec.family)
-    ids = token_ids(fast, FAMILY_TOKENS[spec.family].specials)
-    report_step(label, 2, 4, f"initialising weights (seed {spec.seed})", echo=progress)
-    config = make_config(ids, len(fast))
-    model = transformers.Qwen3OmniMoeForConditionalGeneration(config).eval()
-    _seeded_init(model, spec.seed)
-    model.generation_config = transformers.GenerationConfig(
-        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], do_sample=False
+    build_checkpoint(
+        spec.family,
+        spec.seed,
+        spec.dtype,
+        out,
+        label=label,
+        progress=progress,
+        model_class="Qwen3OmniMoeForConditionalGeneration",
+        make_config=make_config,
+        init=_seeded_init,
+        check=_check_forward,
+        parts=("thinker", "talker", "code2wav"),
     )
-    model.to(getattr(torch, spec.dtype))
-    report_step(label, 3, 4, "checking one forward pass", echo=progress)
-    _check_forward(model, ids)
-    report_step(label, 4, 4, f"saving ({spec.dtype})", echo=progress)
-    fast.save_pretrained(out)
-    save_quietly(transformers, model, out)
-    parts = {k: sum(p.numel() for p in getattr(model, k).parameters()) for k in _PARTS}
-    (out / "omni_trio_build.json").write_text(json.dumps({"parameters": parts}, indent=1))
-
-
-_PARTS = ("thinker", "talker", "code2wav")

@@ -19,17 +19,19 @@ Everything here is blocking (torch); call it from a worker thread in async code.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ...errors import ConfigError
 from .checkpoint import checkpoint_tensors, load_part, read_config
+from .sampling import TalkerSampling, logits_processors, pick, talker_sampling
 
 __all__ = [
     "DecodeState",
     "Qwen3Talker",
+    "Talker",
     "TalkerInputs",
     "TalkerSampling",
     "decode_step",
@@ -37,72 +39,6 @@ __all__ = [
     "talker_frames",
     "talker_sampling",
 ]
-
-#: transformers hard-codes these for the code predictor's sampling
-_PREDICTOR_TOP_K = 50
-_PREDICTOR_TOP_P = 0.8
-
-
-@dataclass(frozen=True, slots=True)
-class TalkerSampling:
-    """How the talker picks codes. ``do_sample=False`` is greedy (the golden path);
-    the defaults are generate()'s talker defaults."""
-
-    do_sample: bool = True
-    top_k: int = 50
-    top_p: float = 1.0
-    temperature: float = 0.9
-    repetition_penalty: float = 1.05
-    max_new_tokens: int = 4096
-    seed: int | None = None
-
-
-_SAMPLING_KEYS = {
-    "temperature": float,
-    "top_k": int,
-    "top_p": float,
-    "repetition_penalty": float,
-    "max_tokens": int,
-    "seed": int,
-}
-
-
-def talker_sampling(params: Mapping[str, object] | None) -> TalkerSampling:
-    """A request's talker sampling from its stage sampling params (vLLM's names:
-    ``temperature`` (0: greedy), ``top_k``, ``top_p``, ``repetition_penalty``,
-    ``max_tokens``, ``seed``). Pure. Raises ValueError naming a key of the wrong type or range;
-    keys it does not use are ignored (a stage's defaults may carry vLLM-only ones)."""
-    given: dict[str, Any] = {}
-    for key, kind in _SAMPLING_KEYS.items():
-        value = (params or {}).get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"talker sampling param {key} must be a number, got {value!r}")
-        if kind is int and not float(value).is_integer():
-            raise ValueError(f"talker sampling param {key} must be an integer, got {value!r}")
-        given[key] = kind(value)
-    if given.get("temperature", 1.0) < 0:
-        raise ValueError(f"talker temperature must be >= 0, got {given['temperature']}")
-    if given.get("max_tokens", 1) < 1:
-        raise ValueError(f"talker max_tokens must be >= 1, got {given['max_tokens']}")
-    if not 0 < given.get("top_p", 1.0) <= 1:
-        raise ValueError(f"talker top_p must be in (0, 1], got {given['top_p']}")
-    if given.get("repetition_penalty", 1.0) <= 0:
-        raise ValueError(
-            f"talker repetition_penalty must be > 0, got {given['repetition_penalty']}"
-        )
-    base = TalkerSampling()
-    temperature = given.get("temperature", base.temperature)
-    return TalkerSampling(
-        do_sample=temperature > 0,
-        top_k=given.get("top_k", base.top_k),
-        top_p=given.get("top_p", base.top_p),
-        temperature=temperature if temperature > 0 else 1.0,
-        repetition_penalty=given.get("repetition_penalty", base.repetition_penalty),
-        max_new_tokens=given.get("max_tokens", base.max_new_tokens),
-        seed=given.get("seed"),
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,12 +53,38 @@ class TalkerInputs:
     tts_pad: Any
 
 
+class Talker(Protocol):
+    """What the ``talker`` backend runs: a family's talker (:class:`Qwen3Talker`,
+    :class:`~omni_trio.models.qwen_omni.qwen25_talker.Qwen25Talker`). ``prepare`` builds a
+    request's input (``None``: nothing to say), ``frames`` decodes it one frame per step;
+    ``start`` makes a request's decode state and ``step`` advances several of them by one
+    step (what the backend's batched stepping calls)."""
+
+    codes_per_frame: int
+    family: str
+    speakers: tuple[str, ...]
+    device: str
+
+    def prepare(
+        self, prompt_ids: Sequence[int], reply_ids: Sequence[int], speaker: str
+    ) -> object | None: ...
+
+    def frames(self, inputs: Any, sampling: TalkerSampling) -> Generator[list[int], None, str]: ...
+
+    def start(self, inputs: Any, sampling: TalkerSampling) -> Any: ...
+
+    def step(self, states: Sequence[Any]) -> list[list[int] | str]: ...
+
+    def num_parameters(self) -> int: ...
+
+
 class Qwen3Talker:
     """The talker's weights and the thinker's embedding table, loaded from a checkpoint.
     Immutable once loaded; safe to use from one thread at a time per request (each request's
     state lives in its own generator)."""
 
     codes_per_frame = 16
+    family = "qwen3-omni"
 
     def __init__(self, config: Any, embed: Any, talker: Any, device: str = "cpu") -> None:
         self.config = config
@@ -249,42 +211,6 @@ def _user_rows(prompt_ids: Sequence[int], im_start: int, user: int) -> list[int]
     return rows
 
 
-def _processors(sampling: TalkerSampling, suppress: list[int] | None, device: str) -> Any:
-    from transformers.generation.logits_process import (
-        LogitsProcessorList,
-        RepetitionPenaltyLogitsProcessor,
-        SuppressTokensLogitsProcessor,
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
-    procs = LogitsProcessorList()
-    if suppress is not None:  # the talker's first codebook
-        if sampling.repetition_penalty != 1.0:
-            procs.append(RepetitionPenaltyLogitsProcessor(penalty=sampling.repetition_penalty))
-        procs.append(SuppressTokensLogitsProcessor(suppress, device=device))
-        top_k, top_p, temperature = sampling.top_k, sampling.top_p, sampling.temperature
-    else:  # the code predictor
-        top_k, top_p, temperature = _PREDICTOR_TOP_K, _PREDICTOR_TOP_P, 1.0
-    if sampling.do_sample:
-        if temperature != 1.0:
-            procs.append(TemperatureLogitsWarper(temperature))
-        if top_k:
-            procs.append(TopKLogitsWarper(top_k=top_k))
-        if top_p < 1.0:
-            procs.append(TopPLogitsWarper(top_p=top_p))
-    return procs
-
-
-def _pick(scores: Any, sample: bool, gen: Any) -> Any:
-    import torch
-
-    if sample:
-        return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=gen)[:, 0]
-    return scores.argmax(dim=-1)
-
-
 class DecodeState:
     """One request's decode between two steps: its KV cache, the next input row, the codes so
     far, its sampling (processors, generator). Owned by the request; changed only by
@@ -317,8 +243,8 @@ class DecodeState:
         if sampling.seed is not None:
             self.gen = torch.Generator(device=dev).manual_seed(sampling.seed)
         suppress = [i for i in range(vocab - 1024, vocab) if i != eos]
-        self.talker_procs = _processors(sampling, suppress, dev)
-        self.predictor_procs = _processors(sampling, None, dev)
+        self.talker_procs = logits_processors(sampling, suppress, dev)
+        self.predictor_procs = logits_processors(sampling, None, dev)
         self.cache = DynamicCache(config=tc.text_config)
         self.x = inputs.prompt_embeds
         self.generated = torch.zeros(1, 0, dtype=torch.long, device=dev)
@@ -348,7 +274,7 @@ def _code0(model: Qwen3Talker, state: DecodeState) -> tuple[Any, Any] | None:
         generation_step=state.step - 1,
     )
     logits = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
-    code0 = _pick(state.talker_procs(state.generated, logits), state.sampling.do_sample, state.gen)
+    code0 = pick(state.talker_procs(state.generated, logits), state.sampling.do_sample, state.gen)
     state.generated = torch.cat((state.generated, code0[:, None]), dim=1)
     if code0.item() == model.config.talker_config.codec_eos_token_id:
         state.finished = "stop"
@@ -385,7 +311,7 @@ def _residual_codes(
         logits = cp.lm_head[j](h)[:, -1, :].float()
         code = torch.cat(
             [
-                _pick(
+                pick(
                     st.predictor_procs(seq[r : r + 1], logits[r : r + 1]),
                     st.sampling.do_sample,
                     st.gen,
@@ -459,14 +385,18 @@ def talker_frames(
         yield result
 
 
-def load_talker(path: str | Path, dtype: str = "float32", device: str = "cpu") -> Qwen3Talker:
+def load_talker(path: str | Path, dtype: str = "float32", device: str = "cpu") -> Talker:
     """The talker of the Qwen-Omni checkpoint at ``path``, for its family, on ``device``.
     Blocking.
     Raises :class:`ConfigError` for a checkpoint of another architecture."""
     model_type = getattr(read_config(path), "model_type", None)
     if model_type == "qwen3_omni_moe":
         return Qwen3Talker.load(path, dtype, device)
+    if model_type == "qwen2_5_omni":
+        from .qwen25_talker import Qwen25Talker
+
+        return Qwen25Talker.load(path, dtype, device)
     raise ConfigError(
-        f"{path}: a talker stage runs Qwen-Omni checkpoints (model_type qwen3_omni_moe), "
-        f"not model_type {model_type!r}"
+        f"{path}: a talker stage runs Qwen-Omni checkpoints (model_type qwen3_omni_moe or "
+        f"qwen2_5_omni), not model_type {model_type!r}"
     )

@@ -62,6 +62,30 @@ FAMILY_TOKENS: Mapping[str, FamilyTokens] = {
             "audio_eos_token": "<|audio_end|>",
         },
     ),
+    # Qwen2.5-Omni: ids 151643..151664 in the real model, then the talker's text specials and
+    # the speakers' text bos ids, which lie beyond the real tokenizer (151859..) and follow
+    # here so that they decode too
+    "qwen2.5-omni": FamilyTokens(
+        tuple(
+            (
+                "<|endoftext|> <|im_start|> <|im_end|> <|AUDIO|> <|audio_bos|> <|audio_eos|> "
+                "<|box_end|> <|quad_start|> <|quad_end|> <|vision_bos|> <|vision_eos|> "
+                "<|vision_pad|> <|IMAGE|> <|VIDEO|> <tool_call> </tool_call> <|fim_prefix|> "
+                "<|fim_middle|> <|fim_suffix|> <|fim_pad|> <|repo_name|> <|file_sep|> "
+                "<|tts_text_pad|> <|tts_text_bos|> <|tts_text_eod|> "
+                "<|spk_bos_chelsie|> <|spk_bos_ethan|>"
+            ).split()
+        ),
+        {
+            "image_token": "<|IMAGE|>",
+            "audio_token": "<|AUDIO|>",
+            "video_token": "<|VIDEO|>",
+            "vision_bos_token": "<|vision_bos|>",
+            "vision_eos_token": "<|vision_eos|>",
+            "audio_bos_token": "<|audio_bos|>",
+            "audio_eos_token": "<|audio_eos|>",
+        },
+    ),
 }
 
 #: words that must be one token each (the talkers find turns by their ids)

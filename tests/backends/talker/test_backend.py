@@ -6,8 +6,6 @@ checkpoint of a 3-stage request, and cleanup: nothing left in flight, no step le
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +16,8 @@ import omni_trio
 from omni_trio import Engine
 from omni_trio.errors import StageError
 from omni_trio.testing import cancel_at_every_checkpoint, in_flight_problems
+
+from .conftest import chat_prompt_ids, engine_on, scripted_thinker_pipeline, talker_state
 
 pytestmark = pytest.mark.slow
 
@@ -33,64 +33,21 @@ def qwen3_path() -> Path:
 
 @pytest.fixture(scope="module")
 def prompt_ids(qwen3_path: Path) -> list[int]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(qwen3_path)
-    messages = [{"role": "user", "content": "hello world"}]
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return [int(t) for t in tok(text).input_ids]
+    return chat_prompt_ids(qwen3_path)
 
 
 def config(path: Path, *, thinker: dict[str, Any] | None = None, frames: int = 4) -> dict:
-    return {
-        "name": "qwen3-omni-scripted-thinker",
-        "stages": [
-            {
-                "id": "thinker",
-                "backend": "scripted",
-                # the reply: the prompt's first tokens (offset 0), ids the talker can embed
-                "options": {"outputs": 5, "token_offset": 0, **(thinker or {})},
-                "final_output": True,
-                "output_type": "text",
-            },
-            {
-                "id": "talker",
-                "backend": "talker",
-                "inputs": ["thinker"],
-                "input_processor": "omni_trio.models.qwen_omni.handoff:thinker_to_talker",
-                "options": {"model": str(path)},
-                "output_type": "tokens",
-                "default_sampling_params": {"temperature": 0.0, "max_tokens": frames + 1},
-            },
-            {
-                "id": "code2wav",
-                "backend": "torch",
-                "inputs": ["talker"],
-                "stream_input": True,
-                "options": {
-                    "factory": "omni_trio.models.qwen_omni.code2wav:build_code2wav",
-                    "model": str(path),
-                    "chunk_size": 32,
-                },
-                "final_output": True,
-                "output_type": "audio",
-            },
-        ],
+    code2wav = {
+        "id": "code2wav",
+        "backend": "torch",
+        "stream_input": True,
+        "options": {
+            "factory": "omni_trio.models.qwen_omni.code2wav:build_code2wav",
+            "model": str(path),
+            "chunk_size": 32,
+        },
     }
-
-
-@asynccontextmanager
-async def engine_on(cfg: dict) -> AsyncIterator[Engine]:
-    with trio.fail_after(180):
-        async with omni_trio.open_engine(cfg) as engine:
-            yield engine
-
-
-async def talker_state(engine: Engine) -> dict[str, Any]:
-    with trio.fail_after(30):
-        (described,) = await engine.collective_rpc("describe", stage_ids=["talker"])
-    assert isinstance(described, dict)
-    return described
+    return scripted_thinker_pipeline(path, code2wav, max_tokens=frames + 1, thinker=thinker)
 
 
 async def test_frames_stream_into_audio_and_nothing_is_left(
