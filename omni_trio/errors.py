@@ -21,6 +21,13 @@ OmniTrioError
  +-- BackendUnavailableError (also ImportError) an optional dependency is missing
  +-- ServerBindError (also OSError)            the HTTP server cannot listen on host:port
  +-- CodecError (also ValueError)             a message for another process cannot be (de)coded
+ +-- SessionError                             a live session refused a call
+      +-- SessionLimitError                   max_sessions reached (retryable)
+      +-- SessionExistsError                  the session id is already open
+      +-- SessionClosedError                  the session ended (or this handle was detached)
+      +-- SessionBackpressureError            max_pending_input_bytes / max_pending_turns
+      +-- StaleFenceError                     an append or cancel for an older epoch or turn
+      +-- SessionResumeError                  a resume with a stale token or trimmed events
 ```
 """
 
@@ -45,11 +52,18 @@ __all__ = [
     "OmniTrioError",
     "ReplicaDeadError",
     "ServerBindError",
+    "SessionBackpressureError",
+    "SessionClosedError",
+    "SessionError",
+    "SessionExistsError",
+    "SessionLimitError",
+    "SessionResumeError",
     "StageAborted",
     "StageError",
     "StageRPCError",
     "StageStartError",
     "StageStopError",
+    "StaleFenceError",
 ]
 
 
@@ -221,3 +235,43 @@ class CodecError(OmniTrioError, ValueError):
         self.what = what
         self.reason = reason
         super().__init__(f"cannot {operation} the {what} message: {reason}")
+
+
+class SessionError(OmniTrioError):
+    """A live session (``engine.open_session``) refused a call; nothing was changed."""
+
+    #: whether the same call may succeed later unchanged (a slot frees up)
+    retryable: bool = False
+
+
+class SessionLimitError(SessionError):
+    """The engine holds ``sessions.max_sessions`` sessions (closing ones whose stage
+    cleanup has not finished included). Retryable: a slot frees when one of them ends."""
+
+    retryable = True
+
+
+class SessionExistsError(SessionError):
+    """A session with this ``session_id`` is open (or detached within its grace)."""
+
+
+class SessionClosedError(SessionError):
+    """The session has ended (closed, expired, engine closed, replica dead), or this handle
+    was detached and the session belongs to another one now."""
+
+
+class SessionBackpressureError(SessionError):
+    """An append would go over ``sessions.max_pending_input_bytes`` (one user turn's input)
+    or start a turn beyond ``sessions.max_pending_turns`` (turns whose response has not
+    ended); nothing was appended."""
+
+
+class StaleFenceError(SessionError):
+    """An append or cancel carried a fence (``epoch``, ``turn_id``) that is not the
+    session's current one (a barge-in or a turn's end moved it on); it had no effect."""
+
+
+class SessionResumeError(SessionError):
+    """A resume was refused: an unknown session, one that is not detached, a stale token
+    (another resume won, or a later detach issued a new one), or ``last_seq`` older than
+    the journal still holds."""

@@ -27,7 +27,7 @@ from .backends import BUILTIN_BACKENDS, BuiltinBackend
 from .checks import check_vllm_stages, validate
 from .loading import load_config
 from .options import ScriptedOptions, TorchOptions, VllmOptions, parse_options
-from .pipeline import Admission, PipelineConfig, config_schema, topological_order
+from .pipeline import Admission, PipelineConfig, SessionsConfig, config_schema, topological_order
 from .stage import (
     MAX_REPLICAS,
     MAX_SLOTS,
@@ -53,6 +53,7 @@ __all__ = [
     "LbPolicy",
     "OutputType",
     "PipelineConfig",
+    "SessionsConfig",
     "Placement",
     "RayPlacement",
     "RestartPolicy",

@@ -20,10 +20,49 @@ from .graph import StageGraph
 from .reading import Value, check_struct
 from .stage import MAX_SLOTS, LbPolicy, StageConfig, Timeout, doc
 
-__all__ = ["Admission", "PipelineConfig", "config_schema", "topological_order"]
+__all__ = ["Admission", "PipelineConfig", "SessionsConfig", "config_schema", "topological_order"]
 
 #: what a request gets when ``max_requests_in_flight`` is reached
 Admission = Literal["wait", "reject"]
+
+
+class SessionsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """The bounds of live sessions (``engine.open_session``)."""
+
+    max_sessions: Annotated[
+        int,
+        Meta(ge=1, le=MAX_SLOTS),
+        doc("sessions open at once (closing ones included); beyond it SessionLimitError"),
+    ] = 1024
+    idle_timeout_s: Annotated[
+        Timeout, doc("seconds without a client call or a response event before it closes")
+    ] = 300.0
+    detach_grace_s: Annotated[
+        Timeout, doc("seconds a detached session waits for a resume before it closes")
+    ] = 30.0
+    max_pending_input_bytes: Annotated[
+        int,
+        Meta(ge=1),
+        doc("bytes one user turn's input may hold; an append beyond raises (does not wait)"),
+    ] = 16 * 1024 * 1024
+    max_pending_turns: Annotated[
+        int,
+        Meta(ge=1, le=MAX_SLOTS),
+        doc("turns whose response has not ended; an append starting one more raises"),
+    ] = 4
+    journal_events: Annotated[
+        int,
+        Meta(ge=1, le=MAX_SLOTS),
+        doc("events kept for a resume; undelivered ones beyond it make the response wait"),
+    ] = 512
+    journal_bytes: Annotated[
+        int,
+        Meta(ge=1),
+        doc("bytes of events kept for a resume; undelivered ones beyond it make it wait"),
+    ] = 2 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        check_struct(self)  # built in Python: checked as a loaded file is
 
 
 class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True):
@@ -69,6 +108,9 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, d
         Meta(ge=1, le=MAX_SLOTS),
         doc("size of every per-request output channel (readers that lag exert backpressure)"),
     ] = 64
+    sessions: Annotated[SessionsConfig, doc("live sessions' bounds (engine.open_session)")] = (
+        msgspec.field(default_factory=SessionsConfig)
+    )
     source: str | None = None
 
     def __post_init__(self) -> None:
