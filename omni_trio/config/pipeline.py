@@ -26,7 +26,7 @@ __all__ = ["Admission", "PipelineConfig", "SessionsConfig", "config_schema", "to
 Admission = Literal["wait", "reject"]
 
 
-class SessionsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+class SessionsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The bounds of live sessions (``engine.open_session``)."""
 
     max_sessions: Annotated[
