@@ -19,6 +19,15 @@ from .config import PipelineConfig, StageConfig, load_config
 from .config.stageinfo import StageInfo
 from .engine.engine import Engine, open_engine
 from .engine.health import HealthReport, ReplicaHealth, StageHealth
+from .engine.live_events import (
+    ResponseDelta,
+    ResponseDone,
+    ResponseStarted,
+    SessionClosed,
+    SessionEvent,
+)
+from .engine.live_rules import Fence
+from .engine.live_session import AppendReceipt, Session, SessionStatistics
 from .engine.streams import RequestStream
 from .errors import (
     BackendUnavailableError,
@@ -31,10 +40,17 @@ from .errors import (
     NoLiveReplicaError,
     OmniTrioError,
     ReplicaDeadError,
+    SessionBackpressureError,
+    SessionClosedError,
+    SessionError,
+    SessionExistsError,
+    SessionLimitError,
+    SessionResumeError,
     StageError,
     StageRPCError,
     StageStartError,
     StageStopError,
+    StaleFenceError,
 )
 from .outputs import (
     EngineStatistics,
@@ -50,6 +66,7 @@ from .stages.backend import StageBackend
 __version__ = "0.1.0"
 
 __all__ = [
+    "AppendReceipt",
     "BackendUnavailableError",
     "CollectiveRPCTimeoutError",
     "Companion",
@@ -59,6 +76,7 @@ __all__ = [
     "EngineClosedError",
     "EngineOverloadedError",
     "EngineStatistics",
+    "Fence",
     "HealthReport",
     "InvalidRequestError",
     "NoLiveReplicaError",
@@ -69,6 +87,19 @@ __all__ = [
     "ReplicaHealth",
     "ReplicaStatistics",
     "RequestStream",
+    "ResponseDelta",
+    "ResponseDone",
+    "ResponseStarted",
+    "Session",
+    "SessionBackpressureError",
+    "SessionClosed",
+    "SessionClosedError",
+    "SessionError",
+    "SessionEvent",
+    "SessionExistsError",
+    "SessionLimitError",
+    "SessionResumeError",
+    "SessionStatistics",
     "StageBackend",
     "StageConfig",
     "StageError",
@@ -80,6 +111,7 @@ __all__ = [
     "StageStartError",
     "StageStatistics",
     "StageStopError",
+    "StaleFenceError",
     "load_config",
     "open_engine",
 ]

@@ -155,6 +155,9 @@ class EngineStatistics:
     requests_waiting: int = 0
     #: admission is paused (``engine.pause()``)
     paused: bool = False
+    #: live sessions holding a slot (open, detached, or closing until their stages dropped
+    #: their requests)
+    sessions: int = 0
 
     @property
     def stage_requests_in_flight(self) -> int:

@@ -10,6 +10,10 @@
 - :mod:`~omni_trio.engine.request_maker`: a request's stream from ``generate()``'s
   arguments; :mod:`~omni_trio.engine.streams`: :class:`~.streams.RequestStream`, what
   ``generate()`` returns;
+- :mod:`~omni_trio.engine.live_session`: live sessions (``engine.open_session``): full-duplex
+  turns on streaming-input requests, barge-in, leases, detach and resume;
+  :mod:`~omni_trio.engine.live_events`: their events and journal;
+  :mod:`~omni_trio.engine.live_rules`: their decisions as pure functions;
 - :mod:`~omni_trio.engine.rpc`: ``collective_rpc`` across stages;
   :mod:`~omni_trio.engine.health`: the health report.
 """

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import overload
 
@@ -39,6 +40,7 @@ from ..stages.fanout import check_rpc_timeout
 from ..stages.group import StageGroup
 from ..stages.pool import StagePool
 from .health import HealthReport, assess_health
+from .live_session import Session, SessionRegistry, session_block
 from .orchestrator import Orchestrator
 from .request_maker import RequestMaker, abort_requests
 from .rpc import fan_out_rpc
@@ -57,11 +59,13 @@ class Engine:
         self.orchestrator = Orchestrator(config, self._stage_group.pools)
         self._prompt_hooks = PromptHooks(config)
         self._requests = RequestMaker(config, self.orchestrator, self._prompt_hooks)
+        self._live = SessionRegistry(self.generate, config.sessions)
         self._session = EngineSession(
             config,
             self._stage_group,
             self.orchestrator,
             self._prompt_hooks.keeper,
+            self._live,
             check_vllm=check_vllm,
         )
 
@@ -244,6 +248,38 @@ class Engine:
             f"collective_rpc({method!r})",
         )
 
+    # -- live sessions -----------------------------------------------------------------------
+    def open_session(
+        self, session_id: str | None = None, *, config: Mapping[str, object] | None = None
+    ) -> AbstractAsyncContextManager[Session]:
+        """Open a live session (:mod:`omni_trio.engine.live_session`): ``async with
+        engine.open_session() as session: ...``. ``config`` sets what its turns use
+        (``sampling_params``, ``output_modalities``; see :meth:`Session.update`). Leaving the
+        block closes the session (its responses cancelled, every stage dropped them) unless
+        it was detached.
+
+        Entering checkpoints; cancelled, nothing is opened. Raises
+        :class:`SessionLimitError` (retryable) at ``sessions.max_sessions`` (closing
+        sessions count until their stages dropped their requests),
+        :class:`SessionExistsError` for an id that is open (the first is untouched),
+        :class:`InvalidRequestError` for a bad id or config, :class:`EngineClosedError`.
+        """
+        return session_block(self._live.open(session_id, config))
+
+    def resume_session(
+        self, session_id: str, token: str, *, last_seq: int = 0
+    ) -> AbstractAsyncContextManager[Session]:
+        """Take back a detached session with the token :meth:`Session.detach` returned; its
+        ``events()`` replays every event after ``last_seq`` from the journal. The lease's
+        generation is compared and swapped with no checkpoint in between, so of two
+        resumers with the same token one wins. Leaving the block closes the session unless
+        it was detached again.
+
+        Entering checkpoints. Raises :class:`SessionResumeError`: unknown or closed
+        session, not detached, a stale token, ``last_seq`` older than the journal holds.
+        """
+        return session_block(self._live.resume(session_id, token, last_seq))
+
     # -- admission -----------------------------------------------------------------------------
     async def pause(self) -> None:
         """Hold new admissions until :meth:`resume`: entering a stream waits (``admission:
@@ -360,6 +396,7 @@ class Engine:
             stages=self._stage_group.statistics(),
             requests_waiting=admission.waiting,
             paused=admission.paused,
+            sessions=self._live.held,
         )
 
     def check_health(self) -> HealthReport:

@@ -30,6 +30,7 @@ from ..errors import EngineClosedError, InvalidRequestError
 from ..failures import single_leaf
 from ..request.hooks import ArtifactKeeper
 from ..stages.group import StageGroup
+from .live_session import SessionRegistry
 from .orchestrator import Orchestrator
 
 __all__ = ["EngineSession"]
@@ -50,6 +51,7 @@ class EngineSession:
         stage_group: StageGroup,
         orchestrator: Orchestrator,
         keeper: ArtifactKeeper,
+        sessions: SessionRegistry,
         *,
         check_vllm: bool = False,
     ) -> None:
@@ -57,6 +59,7 @@ class EngineSession:
         self._check_vllm = check_vllm and any(st.backend == "vllm" for st in config.stages)
         self._stage_group = stage_group
         self._orchestrator = orchestrator
+        self._sessions = sessions  # live sessions: closed before the requests are
         self._keeper = keeper  # the prompt hooks' artifacts, dropped once every request ended
         self._run_cm: AbstractAsyncContextManager[None] | None = None  # while open
         self._state = "new"  # new | starting | open | closing | closed
@@ -165,6 +168,7 @@ class EngineSession:
             try:
                 async with trio.open_nursery() as requests:
                     await requests.start(self._orchestrator.serve)
+                    await requests.start(self._sessions.serve)
                     self._state = "open"
                     try:
                         yield
@@ -191,6 +195,7 @@ class EngineSession:
         if self._state in ("closing", "closed"):
             return
         self._state = "closing"
+        self._sessions.close()  # each session cancels its turns, then the rest is aborted
         self._orchestrator.close()
         for scope in self._calls:
             scope.cancel()
@@ -211,6 +216,7 @@ class EngineSession:
         """End the session; see :meth:`Engine.aclose <omni_trio.engine.engine.Engine.aclose>`."""
         self._begin_close()
         with trio.CancelScope(shield=True):
+            await self._sessions.wait_closed()
             await self._orchestrator.wait_idle()
             await self._calls_ended()
             self._stage_group.stop()
