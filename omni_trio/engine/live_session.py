@@ -280,7 +280,7 @@ class _LiveSession:
         return turn
 
     async def _run_turn(self, turn: _Turn, *, task_status: trio.TaskStatus[None]) -> None:
-        status: ResponseStatus = "completed"
+        status: ResponseStatus = "cancelled"  # unless it completes or fails
         error: BaseException | None = None
         started = False
         try:
@@ -308,6 +308,7 @@ class _LiveSession:
                     async for out in turn.stream:
                         await self.journal.wait_room()
                         self._publish_delta(turn, out)
+                    status = "completed"
         except Exception as exc:
             if not started:
                 raise  # to the append that starts the turn
@@ -325,11 +326,9 @@ class _LiveSession:
                     # its response ended before a commit: appends go to the next turn
                     self.open_turn = None
                     self.turn_id += 1
-                if turn.status is None and self.state == "open":
+                if turn.status is None:
+                    # cancelled here means the session is closing: the response ends with it
                     self._finish(turn, status, error)
-                elif turn.status is None:
-                    # the session is closing: the response ends with it
-                    self._finish(turn, "cancelled", None)
                 turn.ended.set()
 
     def _publish_delta(self, turn: _Turn, out: OmniOutput) -> None:
