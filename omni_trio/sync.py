@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from types import TracebackType
 from typing import TypeAlias
 
@@ -25,13 +25,18 @@ from .config.pipeline import PipelineConfig
 from .engine.engine import Engine
 from .engine.engine import open_engine as _open_engine
 from .engine.health import HealthReport
+from .engine.live_events import SessionEvent
+from .engine.live_rules import Fence
+from .engine.live_session import AppendReceipt, Session, SessionStatistics
 from .outputs import EngineStatistics, OmniOutput, Prompt, SamplingParams
 from .transport.loop_host import open_trio_portal
 
 #: what ``open_engine`` takes: a config, a mapping or a path to a config file
 EngineConfig: TypeAlias = PipelineConfig | Mapping[str, object] | str | os.PathLike[str]
 
-__all__ = ["SyncEngine", "open_engine"]
+__all__ = ["SyncEngine", "SyncSession", "open_engine"]
+
+_END = object()  # the end of a session's events, across the portal
 
 
 class SyncEngine:
@@ -110,8 +115,106 @@ class SyncEngine:
         """``Engine.remove_replica``: blocks until the replica drained and stopped."""
         self._portal.call(self.engine.remove_replica, stage, index, drain_timeout)
 
+    @contextmanager
+    def open_session(
+        self, session_id: str | None = None, *, config: Mapping[str, object] | None = None
+    ) -> Iterator[SyncSession]:
+        """``Engine.open_session``, blocking: ``with engine.open_session() as session:``;
+        leaving the block closes the session unless it was detached."""
+        block = self._portal.call(lambda: self.engine.open_session(session_id, config=config))
+        with self._portal.wrap_async_context_manager(block) as session:
+            yield SyncSession(self._portal, session)
+
+    @contextmanager
+    def resume_session(
+        self, session_id: str, token: str, *, last_seq: int = 0
+    ) -> Iterator[SyncSession]:
+        """``Engine.resume_session``, blocking."""
+        block = self._portal.call(
+            lambda: self.engine.resume_session(session_id, token, last_seq=last_seq)
+        )
+        with self._portal.wrap_async_context_manager(block) as session:
+            yield SyncSession(self._portal, session)
+
     def __repr__(self) -> str:
         return f"<SyncEngine {self.engine!r}>"
+
+
+class SyncSession:
+    """The blocking twin of :class:`~omni_trio.engine.live_session.Session`: each method
+    blocks until the engine's loop answered and raises what the async one raises."""
+
+    def __init__(self, portal: BlockingPortal, session: Session) -> None:
+        self._portal = portal
+        self.session = session
+
+    @property
+    def session_id(self) -> str:
+        return self.session.session_id
+
+    @property
+    def fence(self) -> Fence:
+        return self._portal.call(lambda: self.session.fence)
+
+    def append(
+        self,
+        chunk: Prompt,
+        *,
+        operation_id: str | None = None,
+        fence: Fence | tuple[int, int] | None = None,
+    ) -> AppendReceipt:
+        return self._portal.call(
+            lambda: self.session.append(chunk, operation_id=operation_id, fence=fence)
+        )
+
+    def commit(self, *, fence: Fence | tuple[int, int] | None = None) -> str:
+        return self._portal.call(lambda: self.session.commit(fence=fence))
+
+    def barge_in(self, *, fence: Fence | tuple[int, int] | None = None) -> int:
+        return self._portal.call(lambda: self.session.barge_in(fence=fence))
+
+    cancel_response = barge_in
+
+    def update(self, **config: object) -> None:
+        self._portal.call(lambda: self.session.update(**config))
+
+    def touch(self) -> None:
+        self._portal.call(self.session.touch)
+
+    def ack(self, seq: int) -> None:
+        self._portal.call(self.session.ack, seq)
+
+    def detach(self) -> str:
+        return self._portal.call(self.session.detach)
+
+    def close(self) -> None:
+        self._portal.call(self.session.aclose)
+
+    def statistics(self) -> SessionStatistics:
+        return self._portal.call(self.session.statistics)
+
+    def events(self) -> Iterator[SessionEvent]:
+        """The session's events as they come (blocking between them)."""
+        events = self._portal.call(self.session.events)
+
+        async def next_event() -> object:
+            try:
+                return await events.__anext__()
+            except StopAsyncIteration:
+                return _END
+
+        try:
+            while True:
+                event = self._portal.call(next_event)
+                if event is _END:
+                    return
+                assert isinstance(event, SessionEvent)
+                yield event
+        finally:
+            self._portal.call(events.aclose)
+
+    def __repr__(self) -> str:
+        return f"<SyncSession {self.session!r}>"
 
 
 class _SyncSession(AbstractContextManager["SyncEngine"]):

@@ -73,3 +73,33 @@ def test_the_engine_runs_on_a_thread_of_its_own_that_closing_joins():
         assert not thread.daemon
         assert engine.statistics().requests_in_flight == 0
     assert not thread.is_alive() and engine_threads() == []
+
+
+def test_sync_session_turn_barge_in_detach_and_resume():
+    cfg = scripted_pipeline(["a", "b"], outputs=3)
+    with omni_trio.sync.open_engine(cfg) as engine:
+        with engine.open_session("s") as session:
+            receipt = session.append([5, 6], operation_id="op")
+            assert session.append([5, 6], operation_id="op") == receipt
+            assert session.commit() == "s/turn-0"
+            events = []
+            for event in session.events():
+                events.append(event)
+                if isinstance(event, omni_trio.ResponseDone):
+                    break
+            assert [e.token_ids[0] for e in events if isinstance(e, omni_trio.ResponseDelta)] == [
+                7,
+                8,
+                7,
+            ]
+            assert events[-1].status == "completed"
+            assert session.barge_in() == 0
+            assert session.fence == omni_trio.Fence(1, 1)
+            with pytest.raises(omni_trio.StaleFenceError):
+                session.append([1], fence=(0, 1))
+            token = session.detach()
+        assert engine.statistics().sessions == 1
+        with engine.resume_session("s", token, last_seq=events[-1].seq) as again:
+            assert again.statistics().lease_state == "attached"
+        assert engine.statistics().sessions == 0
+        assert engine.statistics().requests_in_flight == 0

@@ -36,7 +36,7 @@ from __future__ import annotations
 import secrets
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -561,7 +561,7 @@ class Session:
         can no longer replay them). Synchronous."""
         self._check().journal.ack(seq)
 
-    async def events(self) -> AsyncIterator[SessionEvent]:
+    async def events(self) -> AsyncGenerator[SessionEvent, None]:
         """The session's events in ``seq`` order, from after the last one this handle got
         (after ``last_seq`` for a resumed handle), ending after :class:`SessionClosed`, or
         when this handle is detached. Waiting for an event is a checkpoint; cancelling it

@@ -564,7 +564,8 @@ async def test_close_racing_expiry_ends_the_session_once(autojump_clock):
             events = [e async for e in session.events()]
             closed = [e for e in events if isinstance(e, SessionClosed)]
             assert len(closed) == 1 and events[-1] is closed[0]
-            assert closed[0].reason == ("idle_timeout" if settle else "closed")
+            # in one tick trio runs the two in either order: one of them ends it, once
+            assert closed[0].reason in (("idle_timeout",) if settle else ("idle_timeout", "closed"))
             assert engine.statistics().sessions == 0
         assert_all_closed(engine)
 
