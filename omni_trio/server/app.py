@@ -7,8 +7,9 @@ inside the response (:mod:`.responses`), so a client that disconnects cancels it
 task, and with it the request in every stage. :mod:`.serve` runs the app.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/audio/speech``,
-``GET /v1/models``, ``GET /health``, ``GET /metrics``. A chat asking for ``"audio"`` in its
-``modalities`` is answered by :mod:`.chat_audio`.
+``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``WS /v1/realtime`` (live sessions,
+:mod:`.realtime`). A chat asking for ``"audio"`` in its ``modalities`` is answered by
+:mod:`.chat_audio`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 
 from ..audio import concat_audio, sample_rate_of, wav_bytes
 from ..config.stageinfo import audio_stage, text_stage
@@ -52,6 +53,7 @@ from .protocol import (
     parse_completion,
     parse_speech,
 )
+from .realtime import RealtimeEndpoint, RealtimeLimits
 from .responses import Computed, EngineJSONResponse, EventStreamResponse, error_for
 
 if TYPE_CHECKING:
@@ -381,15 +383,19 @@ def create_app(
     model: str | None = None,
     lifecycle: ServerLifecycle | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    realtime: RealtimeLimits | None = None,
 ) -> Starlette:
     """The ASGI app serving ``engine``. Synchronous. ``metrics`` defaults to a new
     :class:`EngineMetrics` attached to the engine; ``model`` (the id clients must send)
     defaults to the pipeline's name; ``lifecycle`` (the server's phase: starting, serving,
     shutting down) defaults to one already serving; request bodies over ``max_body_bytes``
-    get 413. ``app.state`` holds ``metrics``, ``engine`` and ``lifecycle``."""
+    get 413; ``realtime`` bounds each ``/v1/realtime`` connection (:mod:`.realtime`).
+    ``app.state`` holds ``metrics``, ``engine``, ``lifecycle`` and ``realtime`` (the
+    websocket endpoint)."""
     metrics = metrics or EngineMetrics(engine)
     lifecycle = lifecycle or ServerLifecycle()
     h = _Handlers(engine, metrics, model or engine.config.name, lifecycle)
+    realtime_endpoint = RealtimeEndpoint(engine, h.model, realtime)
     routes = [
         Route("/v1/chat/completions", h.chat, methods=["POST"]),
         Route("/v1/completions", h.completions, methods=["POST"]),
@@ -397,6 +403,7 @@ def create_app(
         Route("/v1/models", h.models, methods=["GET"]),
         Route("/health", h.health, methods=["GET"]),
         Route("/metrics", h.prometheus, methods=["GET"]),
+        WebSocketRoute("/v1/realtime", realtime_endpoint),
     ]
     guard = Middleware(RequestGuard, lifecycle=lifecycle, max_body_bytes=max_body_bytes)
     app = Starlette(
@@ -407,4 +414,5 @@ def create_app(
     app.state.metrics = metrics
     app.state.engine = engine
     app.state.lifecycle = lifecycle
+    app.state.realtime = realtime_endpoint
     return app

@@ -88,6 +88,11 @@ def state_metrics(stats: EngineStatistics, without_output: int) -> Iterator[Metr
         value=stats.requests_waiting,
     )
     yield g(
+        "omni_trio_sessions",
+        "Live sessions holding a slot (open, detached, or closing).",
+        value=stats.sessions,
+    )
+    yield g(
         "omni_trio_engine_paused",
         "1 while admission is paused.",
         value=1 if stats.paused else 0,
