@@ -254,3 +254,55 @@ async def test_a_client_that_stops_reading_is_told_and_its_session_closed():
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
                 assert (await http.get("/health")).status_code == 200
             nursery.cancel_scope.cancel()
+
+
+async def test_100_sessions_dropped_mid_response_some_resumed_leave_the_server_healthy():
+    def drop(base: str, i: int) -> list[Any]:
+        conn = connect(base).enter()
+        created = read_until(conn, "session.created")[-1]
+        user_text(conn, f"turn {i}")
+        conn.response.create()
+        last = read_until(conn, "response.output_text.delta")[-1].server_event_seq
+        if i % 2:
+            conn.close()  # a clean close
+        else:
+            # no close frame: the TCP connection just ends
+            conn._connection.socket.shutdown(socket.SHUT_RDWR)
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001 (the client's own close of a dead socket)
+                pass
+        if i % 10:
+            return []
+        with connect(base) as again:
+            read_until(again, "session.created")
+            send_resume(again, created.session.id, created.session.resume_token, last)
+            return read_until(again, "response.done")
+
+    config = pipeline(outputs=40, latency_s=0.02, sessions={"detach_grace_s": 1.0})
+    async with running_server(config) as (engine, base):
+        results: list[list[Any]] = [[] for _ in range(100)]
+        limiter = trio.CapacityLimiter(20)
+
+        async def one(i: int) -> None:
+            results[i] = await trio.to_thread.run_sync(
+                partial(drop, base, i), limiter=limiter, abandon_on_cancel=True
+            )
+
+        with trio.fail_after(4 * WAIT):
+            async with trio.open_nursery() as nursery:
+                for i in range(100):
+                    nursery.start_soon(one, i)
+        resumed = [r for r in results if r]
+        assert len(resumed) == 10
+        for events in resumed:
+            assert events[0].type == "session.resumed"
+            assert events[-1].response.status == "completed"
+        async with httpx.AsyncClient(base_url=base) as http:
+            assert (await http.get("/health")).status_code == 200
+            with trio.fail_after(WAIT):
+                while engine.statistics().sessions:  # noqa: ASYNC110 (no event for grace ends)
+                    await trio.sleep(0.05)
+            metrics = (await http.get("/metrics")).text
+        assert "\nomni_trio_sessions 0.0\n" in metrics
+        assert engine.statistics().requests_in_flight == 0
