@@ -15,8 +15,9 @@ sockets bound beforehand, every connection held so shutdown takes bounded time);
 params), ``bodies`` (the wire format of responses), ``responses`` (responses that run engine
 work), ``chat_audio`` (chat completions with audio), ``chat_model`` (the served model's
 chat template and voices), ``guard`` (the middleware in front of
-every endpoint), ``asgi`` (plumbing they share); ``lifecycle`` (where the server is in its
-life); ``metrics`` (Prometheus).
+every endpoint), ``asgi`` (plumbing they share); ``realtime`` (``WS /v1/realtime``: live
+sessions over a WebSocket) with ``realtime_protocol`` (its event mapping, pure);
+``lifecycle`` (where the server is in its life); ``metrics`` (Prometheus).
 """
 
 from __future__ import annotations
