@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 import trio
 from websockets.sync.client import connect as ws_connect
 
@@ -258,6 +259,7 @@ async def test_a_client_that_stops_reading_is_told_and_its_session_closed():
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow  # 100 real sockets against a real server
 async def test_100_sessions_dropped_mid_response_some_resumed_leave_the_server_healthy():
     def drop(base: str, i: int) -> list[Any]:
         conn = connect(base).enter()
