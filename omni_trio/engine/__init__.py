@@ -12,6 +12,7 @@
   ``generate()`` returns;
 - :mod:`~omni_trio.engine.live_session`: live sessions (``engine.open_session``): full-duplex
   turns on streaming-input requests, barge-in, leases, detach and resume;
+  :mod:`~omni_trio.engine.live_registry`: their admission and the nursery of their tasks;
   :mod:`~omni_trio.engine.live_events`: their events and journal;
   :mod:`~omni_trio.engine.live_rules`: their decisions as pure functions;
 - :mod:`~omni_trio.engine.rpc`: ``collective_rpc`` across stages;

@@ -40,7 +40,8 @@ from ..stages.fanout import check_rpc_timeout
 from ..stages.group import StageGroup
 from ..stages.pool import StagePool
 from .health import HealthReport, assess_health
-from .live_session import Session, SessionRegistry, session_block
+from .live_registry import SessionRegistry
+from .live_session import Session, session_block
 from .orchestrator import Orchestrator
 from .request_maker import RequestMaker, abort_requests
 from .rpc import fan_out_rpc

@@ -91,6 +91,13 @@ def fence_refusal(
     return None
 
 
+def commits_answered_turn(given: Fence | None, *, answered: Fence, turn_open: bool) -> bool:
+    """Whether a commit ends the turn whose response already ended before its commit
+    (``answered``) rather than the current one: only while no later turn has input, and for a
+    commit without a fence or with that turn's fence. Pure."""
+    return not turn_open and (given is None or given == answered)
+
+
 def append_refusal(
     *,
     turn_open: bool,

@@ -1,7 +1,8 @@
 """Live sessions: full-duplex conversations on top of streaming-input requests.
 
-Structure (one owner per thing). The engine's :class:`SessionRegistry` runs in the engine's
-requests nursery and owns one task per session; that task owns the session's nursery, which
+Structure (one owner per thing). The engine's
+:class:`~omni_trio.engine.live_registry.SessionRegistry` runs in the engine's requests nursery
+and owns one task per session; that task owns the session's nursery, which
 owns its turns (one task per user turn: it enters the turn's
 :class:`~omni_trio.engine.streams.RequestStream` and moves its outputs into the session's
 :class:`~omni_trio.engine.live_events.Journal`) and its lease timer. A turn's response runs
@@ -34,9 +35,8 @@ The seed's duplex calls map as: ``open_duplex_session`` -> :meth:`Engine.open_se
 from __future__ import annotations
 
 import secrets
-import uuid
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -45,15 +45,11 @@ import trio
 
 from ..config.pipeline import SessionsConfig
 from ..errors import (
-    EngineClosedError,
     InvalidRequestError,
     OmniTrioError,
     ReplicaDeadError,
     SessionBackpressureError,
     SessionClosedError,
-    SessionExistsError,
-    SessionLimitError,
-    SessionResumeError,
     StaleFenceError,
 )
 from ..outputs import OmniOutput, Prompt, SamplingParams
@@ -69,14 +65,13 @@ from .live_events import (
 from .live_rules import (
     Fence,
     LeaseState,
-    admit_session,
     append_refusal,
     as_fence,
+    commits_answered_turn,
     fence_refusal,
     input_bytes,
     lease_deadline,
     remember,
-    resume_refusal,
 )
 from .streams import RequestStream
 
@@ -95,7 +90,7 @@ class Generate(Protocol):
     ) -> RequestStream: ...
 
 
-__all__ = ["AppendReceipt", "Session", "SessionRegistry", "SessionStatistics"]
+__all__ = ["AppendReceipt", "Session", "SessionCore", "SessionStatistics"]
 
 #: what ``update()`` and ``open_session(config=...)`` accept
 SETTINGS = ("sampling_params", "output_modalities")
@@ -165,18 +160,23 @@ class _Turn:
         self.late_error: BaseException | None = None  # raised after it was cancelled
 
 
-class _LiveSession:
-    """The session itself; :class:`Session` handles reach it while their lease holds."""
+class SessionCore:
+    """The session itself (its state, its task, its turns); :class:`Session` handles reach it
+    while their lease holds, and :class:`~omni_trio.engine.live_registry.SessionRegistry`
+    owns its task and its admission slot."""
 
     def __init__(
         self,
-        registry: SessionRegistry,
         session_id: str,
         settings: dict[str, object],
+        *,
+        generate: Generate,
+        limits: SessionsConfig,
+        release: Callable[[SessionCore], None],
     ) -> None:
-        self.registry = registry
-        self.generate = registry.generate
-        self.limits: SessionsConfig = registry.limits
+        self.generate = generate
+        self.limits = limits
+        self._release = release  # gives the admission slot back, once the session ended
         self.session_id = session_id
         self.settings = settings
         self.epoch = 0
@@ -187,6 +187,8 @@ class _LiveSession:
         self.journal = Journal(self.limits.journal_events, self.limits.journal_bytes)
         self.turns: dict[int, _Turn] = {}  # responses in flight (the open turn included)
         self.open_turn: _Turn | None = None  # the turn appends go to
+        # the last turn, when its response ended before its commit (it needed no more input)
+        self.answered: _Turn | None = None
         self.lock = trio.StrictFIFOLock()  # appends and commits, in order
         self.ops: OrderedDict[str, AppendReceipt] = OrderedDict()
         self.counts = {"total": 0, "completed": 0, "cancelled": 0, "failed": 0}
@@ -219,7 +221,7 @@ class _LiveSession:
             self.journal.append(
                 lambda s: SessionClosed(seq=s, reason=self.reason, error=self.error)
             )
-            self.registry.release(self)
+            self._release(self)
             self.ended.set()
 
     def begin_close(self, reason: str, error: BaseException | None = None) -> bool:
@@ -277,6 +279,7 @@ class _LiveSession:
         )
         turn = _Turn(turn_id, self.epoch, response_id, stream)
         await nursery.start(self._run_turn, turn)
+        self.answered = None
         return turn
 
     async def _run_turn(self, turn: _Turn, *, task_status: trio.TaskStatus[None]) -> None:
@@ -323,8 +326,10 @@ class _LiveSession:
             if started:
                 self.turns.pop(turn.turn_id, None)
                 if self.open_turn is turn:
-                    # its response ended before a commit: appends go to the next turn
+                    # its response ended before a commit: appends go to the next turn, and
+                    # a commit still to come is that turn's (see Session.commit)
                     self.open_turn = None
+                    self.answered = turn
                     self.turn_id += 1
                 if turn.status is None:
                     # cancelled here means the session is closing: the response ends with it
@@ -363,6 +368,7 @@ class _LiveSession:
         if self.open_turn is not None:
             self.open_turn = None
             self.turn_id += 1
+        self.answered = None
         self.epoch += 1
         return cancelled
 
@@ -376,7 +382,7 @@ class Session:
 
     __slots__ = ("_core", "_cursor", "_generation")
 
-    def __init__(self, core: _LiveSession, generation: int, cursor: int) -> None:
+    def __init__(self, core: SessionCore, generation: int, cursor: int) -> None:
         self._core = core
         self._generation = generation
         self._cursor = cursor  # the last seq this handle's events() delivered
@@ -408,7 +414,7 @@ class Session:
         core = self._core
         return core.state == "open" and core.generation == self._generation
 
-    def _check(self) -> _LiveSession:
+    def _check(self) -> SessionCore:
         core = self._core
         if core.state != "open":
             raise SessionClosedError(f"session {core.session_id!r} is {core.state} ({core.reason})")
@@ -421,7 +427,7 @@ class Session:
 
     async def _checked(
         self, fence: Fence | tuple[int, int] | None, what: str, turn: bool
-    ) -> _LiveSession:
+    ) -> SessionCore:
         await trio.lowlevel.checkpoint_if_cancelled()
         try:
             core = self._check()
@@ -504,11 +510,25 @@ class Session:
         """End the current user turn's input; its response goes on streaming as events, and
         the next append starts the next turn (full duplex). Returns the response id.
 
+        A turn whose response ended before its commit (the model needed no more input: the
+        turn id moved on then) is still the one a commit without a fence, or with that
+        turn's fence, ends: it returns that response's id and changes nothing, once.
+
         Always checkpoints. Raises :class:`InvalidRequestError` when the turn has no input
         yet, :class:`StaleFenceError`, :class:`SessionClosedError`.
         """
-        core = await self._checked(fence, "commit", True)
+        core = await self._checked(fence, "commit", False)
         async with core.lock:
+            core = await self._checked(fence, "commit", False)
+            answered = core.answered
+            if answered is not None and commits_answered_turn(
+                as_fence(fence),
+                answered=Fence(answered.epoch, answered.turn_id),
+                turn_open=core.open_turn is not None,
+            ):
+                core.answered = None
+                core.touch()
+                return answered.response_id
             core = await self._checked(fence, "commit", True)
             turn = core.open_turn
             if turn is None:
@@ -667,116 +687,6 @@ def check_settings(config: Mapping[str, object] | None) -> dict[str, object]:
             f"output_modalities must be a sequence of strings, not {modalities!r}"
         )
     return dict(config)
-
-
-class SessionRegistry:
-    """The engine's live sessions: admission (``max_sessions``, unique ids) and the nursery
-    that owns every session's task. Owned by the engine session (it runs in its requests
-    nursery and closes before the orchestrator)."""
-
-    def __init__(self, generate: Generate, limits: SessionsConfig) -> None:
-        self.generate = generate
-        self.limits = limits
-        self._sessions: dict[str, _LiveSession] = {}  # every session holding a slot
-        self._nursery: trio.Nursery | None = None
-        self._closed = False
-        self._closing = trio.Event()
-        self._done = trio.Event()
-        self.opened_total = 0
-
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Own the sessions' tasks until :meth:`close`, then wait until every one ended."""
-        try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                task_status.started()
-                await self._closing.wait()
-        finally:
-            self._nursery = None
-            self._done.set()
-
-    def close(self) -> None:
-        """Refuse new sessions and close every one (``engine_closed``). Synchronous,
-        idempotent."""
-        self._closed = True
-        for core in list(self._sessions.values()):
-            core.begin_close("engine_closed")
-        self._closing.set()
-
-    async def wait_closed(self) -> None:
-        """Wait until every session ended (after :meth:`close`). Always checkpoints."""
-        await trio.lowlevel.checkpoint()
-        if self._nursery is not None or not self._closed:
-            await self._done.wait()
-
-    def release(self, core: _LiveSession) -> None:
-        if self._sessions.get(core.session_id) is core:
-            del self._sessions[core.session_id]
-
-    @property
-    def held(self) -> int:
-        """Sessions holding a slot (open, detached, or closing)."""
-        return len(self._sessions)
-
-    async def open(self, session_id: str | None, config: Mapping[str, object] | None) -> Session:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        sid = uuid.uuid4().hex if session_id is None else session_id
-        try:
-            if not isinstance(sid, str) or not sid:
-                raise InvalidRequestError(f"session_id must be a non-empty string, not {sid!r}")
-            settings = check_settings(config)
-            decision = admit_session(
-                held=len(self._sessions),
-                limit=self.limits.max_sessions,
-                exists=sid in self._sessions,
-                closed=self._closed or self._nursery is None,
-            )
-            if decision == "closed":
-                raise EngineClosedError("the engine is closed; it opens no new session")
-            if decision == "exists":
-                raise SessionExistsError(f"session {sid!r} is already open")
-            if decision == "full":
-                raise SessionLimitError(
-                    f"{len(self._sessions)} sessions hold a slot, the limit "
-                    f"(sessions.max_sessions) is {self.limits.max_sessions}; retry later"
-                )
-        except OmniTrioError:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            raise
-        core = self._sessions[sid] = _LiveSession(self, sid, settings)  # the slot, taken now
-        assert self._nursery is not None
-        try:
-            await self._nursery.start(core.serve)
-        except BaseException:
-            self.release(core)
-            raise
-        self.opened_total += 1
-        return Session(core, core.generation, 0)
-
-    async def resume(self, session_id: str, token: str, last_seq: int) -> Session:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            core = self._sessions.get(session_id)
-            if core is None or core.state != "open":
-                raise SessionResumeError(f"session {session_id!r} is not open")
-            reason = resume_refusal(
-                state=core.lease,
-                token=core.token,
-                given=token,
-                last_seq=last_seq,
-                first_kept_seq=core.journal.first_seq,
-                next_seq=core.journal.next_seq,
-            )
-            if reason is not None:
-                raise SessionResumeError(f"cannot resume session {session_id!r}: {reason}")
-        except OmniTrioError:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            raise
-        generation = core.new_lease("attached", None)  # the swap: no checkpoint since the check
-        core.touch()
-        core.journal.restart_delivery(last_seq)
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        return Session(core, generation, last_seq)
 
 
 @asynccontextmanager

@@ -30,7 +30,7 @@ from ..errors import EngineClosedError, InvalidRequestError
 from ..failures import single_leaf
 from ..request.hooks import ArtifactKeeper
 from ..stages.group import StageGroup
-from .live_session import SessionRegistry
+from .live_registry import SessionRegistry
 from .orchestrator import Orchestrator
 
 __all__ = ["EngineSession"]

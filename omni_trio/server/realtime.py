@@ -30,7 +30,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ..audio import sample_rate_of
 from ..config.stageinfo import audio_stage, text_stage
 from ..engine.live_rules import remember
-from ..errors import InvalidRequestError, OmniTrioError, SessionResumeError
+from ..errors import OmniTrioError, SessionResumeError
 from .realtime_protocol import (
     Ack,
     AppendAudio,
@@ -126,7 +126,6 @@ class _Connection:
         self.taken_over = False
         self.released = trio.Event()
         self.modalities: list[str] | None = None
-        self.appended = False  # input appended since the last commit
 
     # -- output ------------------------------------------------------------------------------
     def push(self, event: dict[str, Any]) -> None:
@@ -184,7 +183,6 @@ class _Connection:
     async def _attach(self, session: Session, kind: str) -> None:
         assert self.nursery is not None
         self.session = session
-        self.appended = False
         self.secret = secrets.token_urlsafe(24)
         self.endpoint.attached[session.session_id] = self
         self.pump_scope = trio.CancelScope()
@@ -293,7 +291,6 @@ class _Connection:
         assert session is not None
         if isinstance(command, AppendText):
             await session.append(command.text, operation_id=event_id)
-            self.appended = True
             item = {
                 "id": command.item_id or f"item-{session.session_id}-{session.turn_id}",
                 "type": "message",
@@ -305,17 +302,8 @@ class _Connection:
             rate = self.endpoint.sample_rate
             chunk = {"prompt": "", "multi_modal_data": {"audio": (command.samples, rate)}}
             await session.append(chunk, operation_id=event_id)
-            self.appended = True
         elif isinstance(command, Commit):
-            appended, self.appended = self.appended, False
-            try:
-                response_id = await session.commit()
-            except InvalidRequestError:
-                if not appended:
-                    raise
-                # the turn's response ended before its input did (it needed no more):
-                # there is nothing left to end, and that response was published already
-                return
+            response_id = await session.commit()
             if command.reply == "input_audio_buffer.committed":
                 self.push({"type": "input_audio_buffer.committed", "item_id": response_id})
         elif isinstance(command, BargeIn):

@@ -9,6 +9,7 @@ from omni_trio.engine.live_rules import (
     admit_session,
     append_refusal,
     as_fence,
+    commits_answered_turn,
     fence_refusal,
     has_room,
     input_bytes,
@@ -129,3 +130,12 @@ def test_remember_keeps_the_most_recent():
     assert list(ops) == ["op2", "op3", "op4"]
     remember(ops, "op2", 20, limit=3)
     assert list(ops.items()) == [("op3", 3), ("op4", 4), ("op2", 20)]
+
+
+def test_commits_answered_turn():
+    answered = Fence(0, 3)
+    assert commits_answered_turn(None, answered=answered, turn_open=False)
+    assert commits_answered_turn(Fence(0, 3), answered=answered, turn_open=False)
+    # another turn's fence, or a later turn that already has input: the normal commit
+    assert not commits_answered_turn(Fence(0, 4), answered=answered, turn_open=False)
+    assert not commits_answered_turn(None, answered=answered, turn_open=True)

@@ -100,6 +100,47 @@ async def test_append_commit_streams_the_response_then_closed_last(autojump_cloc
         assert_all_closed(engine)
 
 
+async def test_a_commit_after_the_response_ended_on_its_own_ends_that_turn(autojump_clock):
+    # two outputs: the stage answers as soon as two input tokens arrived, before any commit
+    async with open_engine(pipeline(outputs=2)) as engine:
+        async with engine.open_session("s") as session:
+            await session.append([5, 6, 7])
+            await read_until(session, done_of("s/turn-0"))
+            assert session.turn_id == 1  # the ended turn let appends go to the next one
+            # the commit that was on its way still names that turn's response, once
+            assert await session.commit() == "s/turn-0"
+            with pytest.raises(InvalidRequestError, match="nothing to commit, turn 1"):
+                await session.commit()
+            # the same with the ended turn's fence; the current turn's fence finds no input
+            await session.append([1, 2])
+            await read_until(session, done_of("s/turn-1"))
+            with pytest.raises(InvalidRequestError, match="nothing to commit, turn 2"):
+                await session.commit(fence=(0, 2))
+            assert await session.commit(fence=(0, 1)) == "s/turn-1"
+            with pytest.raises(StaleFenceError, match="carries turn 1"):
+                await session.commit(fence=(0, 1))
+            # a later turn with input is what a commit ends from then on
+            await session.append([3, 4])
+            await read_until(session, done_of("s/turn-2"))
+            await session.append([9])
+            assert await session.commit() == "s/turn-3"
+            await read_until(session, done_of("s/turn-3"))
+            stats = session.statistics()
+            assert (stats.responses_completed, stats.responses_failed) == (4, 0)
+        assert_all_closed(engine)
+
+
+async def test_a_barge_in_forgets_a_turn_that_ended_before_its_commit(autojump_clock):
+    async with open_engine(pipeline(outputs=2)) as engine:
+        async with engine.open_session("s") as session:
+            await session.append([5, 6])
+            await read_until(session, done_of("s/turn-0"))
+            assert await session.barge_in() == 0
+            with pytest.raises(InvalidRequestError, match="nothing to commit"):
+                await session.commit()
+        assert_all_closed(engine)
+
+
 async def test_open_and_close_are_idempotent_and_calls_after_close_are_refused(autojump_clock):
     async with open_engine(pipeline(outputs=2)) as engine:
         async with engine.open_session() as session:
