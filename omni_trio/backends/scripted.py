@@ -46,7 +46,8 @@ arrives while the request is not waiting (an output is being delivered, or a zer
 stage is at its schedule point before one) takes effect right after that output. Every
 interaction, the stop included, is recorded.
 
-``received[request_id]`` records the input chunks a request brought, ``interactions[request_id]``
+``received[request_id]`` records the input chunks a request brought, ``sampling[request_id]``
+the sampling params it brought (a one-item list), ``interactions[request_id]``
 the interactions it received, ``aborted`` the ids that were cancelled before finishing,
 ``completed`` those that finished (each keeps the last ``record`` entries;
 ``completed == ["r"]`` compares like a list); ``collective_rpc``
@@ -232,6 +233,7 @@ class ScriptedBackend(StageBackend):
         )
         limit = self.options.record_limit
         self.received: _Recent[StageInput] = _Recent(limit)
+        self.sampling: _Recent[object] = _Recent(limit)
         self.aborted = RecentList(limit)
         self.completed = RecentList(limit)
         #: request id -> the interactions it received, in order (the ``record`` most recent
@@ -265,6 +267,7 @@ class ScriptedBackend(StageBackend):
             )
             await trio.lowlevel.checkpoint()  # the scope is cancelled: this raises
         n_outputs = self.options.outputs
+        self.sampling.start(request_id).append(sampling_params)
         if isinstance(sampling_params, dict) and "max_tokens" in sampling_params:
             n_outputs = min(n_outputs, int(sampling_params["max_tokens"]))
         fail_at = self.options.fail_at_output

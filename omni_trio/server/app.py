@@ -395,7 +395,7 @@ def create_app(
     metrics = metrics or EngineMetrics(engine)
     lifecycle = lifecycle or ServerLifecycle()
     h = _Handlers(engine, metrics, model or engine.config.name, lifecycle)
-    realtime_endpoint = RealtimeEndpoint(engine, h.model, realtime)
+    realtime_endpoint = RealtimeEndpoint(engine, h.model, realtime, h.chat_model)
     routes = [
         Route("/v1/chat/completions", h.chat, methods=["POST"]),
         Route("/v1/completions", h.completions, methods=["POST"]),

@@ -10,7 +10,7 @@ the session (it lives ``detach_grace_s`` for a resume) and ends only this connec
 that does not read fills the output buffer: over ``max_output_events`` or
 ``max_output_bytes`` the session is told (an ``error``, ``slow_client``), closed, and the
 socket closed (1008). A malformed or unknown event gets an ``error`` and the socket stays
-open.
+open. A fourth task sends a ``heartbeat`` after ``heartbeat_s`` without a server event.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ..audio import sample_rate_of
 from ..config.stageinfo import audio_stage, text_stage
 from ..engine.live_rules import remember
-from ..errors import OmniTrioError, SessionResumeError
+from ..errors import ConfigError, OmniTrioError, SessionResumeError
+from .chat_model import ChatModel
 from .realtime_protocol import (
     Ack,
     AppendAudio,
@@ -63,10 +64,28 @@ _GONE = (WebSocketDisconnect, UnexpectedMessageError, OSError, trio.BrokenResour
 
 @dataclass(frozen=True, slots=True)
 class RealtimeLimits:
-    """Bounds of one connection: its unsent server events (a client that stops reading)."""
+    """Bounds of one connection: its unsent server events (a client that stops reading), and
+    ``heartbeat_s``: after that long without a server event the server sends a
+    ``heartbeat`` (a socket that went away is then found out by its failed send; None: no
+    heartbeat). The server's heartbeat does not renew the session's idle lease: the
+    client's events do."""
 
     max_output_events: int = 4096
     max_output_bytes: int = 16 * 1024 * 1024
+    heartbeat_s: float | None = 15.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_output_events", "max_output_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"RealtimeLimits.{name} must be >= 1, not {getattr(self, name)}")
+        if self.heartbeat_s is not None and not self.heartbeat_s > 0:
+            raise ConfigError(
+                f"RealtimeLimits.heartbeat_s must be > 0 or None, not {self.heartbeat_s}"
+            )
+
+
+def _max_output_tokens(sampling: dict[str, object]) -> object:
+    return sampling.get("max_tokens", "inf")
 
 
 def _error_code(exc: OmniTrioError) -> str:
@@ -78,11 +97,18 @@ class RealtimeEndpoint:
     """The ASGI websocket endpoint of one engine. Keeps which connection holds which session
     and the resume secrets of detached ones (at most ``sessions.max_sessions`` kept)."""
 
-    def __init__(self, engine: Engine, model: str, limits: RealtimeLimits | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        model: str,
+        limits: RealtimeLimits | None = None,
+        chat_model: ChatModel | None = None,
+    ) -> None:
         self.engine = engine
         self.model = model
         self.limits = limits or RealtimeLimits()
         self.text_stage = text_stage(engine.config)
+        self.chat_model = chat_model or ChatModel(engine, self.text_stage)
         self.audio_stage = audio_stage(engine.config)
         options = engine.config.stage(self.audio_stage).options if self.audio_stage else None
         self.sample_rate = sample_rate_of(None, options)
@@ -120,12 +146,17 @@ class _Connection:
         self.out: deque[str] = deque()
         self.out_bytes = 0
         self.out_ready = trio.Event()
+        self.last_push = trio.current_time()
         self.sent_seq = 0  # the last journal seq put out
         self.n_events = 0
         self.slow: str | None = None  # why the output buffer overflowed
         self.taken_over = False
         self.released = trio.Event()
         self.modalities: list[str] | None = None
+        # session.update's sampling: the text stage's, and each talker stage's voice
+        self.text_sampling: dict[str, object] = {}
+        self.voices: dict[str, dict[str, object]] = {}
+        self.voice: str | None = None
 
     # -- output ------------------------------------------------------------------------------
     def push(self, event: dict[str, Any]) -> None:
@@ -140,6 +171,7 @@ class _Connection:
         self.out.append(data)
         self.out_bytes += len(data)
         self.out_ready.set()
+        self.last_push = trio.current_time()
         limits = self.endpoint.limits
         reason = over_output_bounds(
             events=len(self.out),
@@ -164,6 +196,12 @@ class _Connection:
                 await self.ws.send_text(data)
             self.out_ready = trio.Event()
             await self.out_ready.wait()
+
+    async def _heartbeat(self, interval: float) -> None:
+        while True:
+            await trio.sleep_until(self.last_push + interval)
+            if trio.current_time() >= self.last_push + interval:
+                self.push({"type": "heartbeat"})
 
     async def _pump(self, session: Session, *, task_status: trio.TaskStatus[None]) -> None:
         with self.pump_scope:
@@ -199,6 +237,8 @@ class _Connection:
             "type": "realtime",
             "model": ep.model,
             "output_modalities": self.modalities,
+            "max_output_tokens": _max_output_tokens(self.text_sampling),
+            "voice": self.voice,
             "audio": {"input": {"format": audio_format}, "output": {"format": audio_format}},
             "resume_token": self.secret,
             "epoch": s.epoch,
@@ -218,6 +258,8 @@ class _Connection:
                     await self._drain_and_close(1013)
                     return
                 await self._attach(session, "session.created")
+                if self.endpoint.limits.heartbeat_s is not None:
+                    nursery.start_soon(self._heartbeat, self.endpoint.limits.heartbeat_s)
                 await self._read()
                 nursery.cancel_scope.cancel()
         finally:
@@ -309,9 +351,7 @@ class _Connection:
         elif isinstance(command, BargeIn):
             await session.barge_in(fence=command.fence)
         elif isinstance(command, Update):
-            if command.output_modalities is not None:
-                self.modalities = list(command.output_modalities)
-                session.update(output_modalities=self.modalities)
+            await self._update(session, command)
             self.push({"type": "session.updated", "session": self._session_body()})
         elif isinstance(command, ClearInput):
             if session.statistics().pending_input_bytes:
@@ -331,6 +371,32 @@ class _Connection:
             await self._resume(command)
         else:  # pragma: no cover - parse_client_event makes only the commands above
             raise TypeError(f"not a command: {command!r}")
+
+    async def _update(self, session: Session, command: Update) -> None:
+        # everything is checked (the voice against the model's) before anything changes
+        ep = self.endpoint
+        text = dict(self.text_sampling)
+        if command.max_output_tokens == 0:  # "inf": the stage's own bound
+            text.pop("max_tokens", None)
+        elif command.max_output_tokens is not None:
+            text["max_tokens"] = command.max_output_tokens
+        if command.temperature is not None:
+            text["temperature"] = command.temperature
+        voices = self.voices
+        if command.voice is not None:
+            voices = await ep.chat_model.voice_params(
+                command.voice, param="session.audio.output.voice"
+            )
+            self.voice = command.voice
+        settings: dict[str, object] = {}
+        if command.output_modalities is not None:
+            settings["output_modalities"] = list(command.output_modalities)
+        if text != self.text_sampling or voices is not self.voices:
+            settings["sampling_params"] = {ep.text_stage: text, **voices}
+        session.update(**settings)
+        self.text_sampling, self.voices = text, voices
+        if command.output_modalities is not None:
+            self.modalities = list(command.output_modalities)
 
     async def _resume(self, command: Resume) -> None:
         session, ep = self.session, self.endpoint

@@ -13,6 +13,11 @@ The subset of OpenAI's Realtime dialect that the ``openai`` package's realtime c
   ``response.done``, ``heartbeat``, and ``error`` in OpenAI's shape
   (``{"type": "error", "error": {"type", "code", "message", "param", "event_id"}}``).
 
+``session.update`` acts on ``output_modalities``, ``max_output_tokens`` and ``temperature``
+(the text stage's sampling) and ``audio.output.voice`` (the talker stages' speaker), each for
+the turns that start after it; its other keys (instructions, tools, turn detection) are not
+acted on.
+
 ``server_event_seq`` is on every server event: the session journal's ``seq`` of the event it
 was made from (one journal event may make several server events), else the last journal seq
 the connection sent. A client resumes with the last one it received and gets what follows.
@@ -75,10 +80,14 @@ class ProtocolError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Update:
-    """``session.update``: the settings later turns use."""
+    """``session.update``: the settings later turns use (None: unchanged).
+    ``max_output_tokens`` 0 stands for ``"inf"`` (no bound but the model's)."""
 
     output_modalities: tuple[str, ...] | None
     session: Mapping[str, Any] = field(default_factory=dict)  # echoed in session.updated
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    voice: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +229,45 @@ def parse_client_event(raw: str | bytes) -> tuple[str | None, Command]:
         raise
 
 
+def _max_output_tokens(value: object) -> int | None:
+    if value is None:
+        return None
+    if value == "inf":
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    raise ProtocolError(
+        f"session.update: max_output_tokens must be a positive integer or 'inf', not {value!r}",
+        param="session.max_output_tokens",
+    )
+
+
+def _temperature(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    raise ProtocolError(
+        f"session.update: temperature must be a number >= 0, not {value!r}",
+        param="session.temperature",
+    )
+
+
+def _voice(session: Mapping[str, Any]) -> str | None:
+    # the GA shape (audio.output.voice) or the beta one (voice)
+    audio = session.get("audio")
+    output = audio.get("output") if isinstance(audio, Mapping) else None
+    voice = output.get("voice") if isinstance(output, Mapping) else None
+    param = "session.audio.output.voice"
+    if voice is None:
+        voice, param = session.get("voice"), "session.voice"
+    if voice is None or isinstance(voice, str) and voice:
+        return voice
+    raise ProtocolError(
+        f"session.update: the voice must be a non-empty string, not {voice!r}", param=param
+    )
+
+
 def _command(kind: str, event: dict[str, Any]) -> Command:
     if kind == "session.update":
         session = event.get("session", {})
@@ -236,7 +284,13 @@ def _command(kind: str, event: dict[str, Any]) -> Command:
                 f"'audio', not {modalities!r}",
                 param="session.output_modalities",
             )
-        return Update(None if modalities is None else tuple(modalities), session)
+        return Update(
+            None if modalities is None else tuple(modalities),
+            session,
+            max_output_tokens=_max_output_tokens(session.get("max_output_tokens")),
+            temperature=_temperature(session.get("temperature")),
+            voice=_voice(session),
+        )
     if kind == "input_audio_buffer.append":
         audio = _field(event, "audio", str, kind)
         samples = decode_pcm16(audio)

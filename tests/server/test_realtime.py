@@ -14,6 +14,7 @@ import pytest
 import trio
 from websockets.sync.client import connect as ws_connect
 
+from omni_trio import ConfigError
 from omni_trio.server import create_app, serve_http
 from omni_trio.server.realtime import RealtimeLimits
 from omni_trio.testing import scripted_backends, scripted_pipeline
@@ -311,3 +312,79 @@ async def test_100_sessions_dropped_mid_response_some_resumed_leave_the_server_h
             metrics = (await http.get("/metrics")).text
         assert "\nomni_trio_sessions 0.0\n" in metrics
         assert engine.statistics().requests_in_flight == 0
+
+
+async def test_session_update_sets_the_sampling_of_later_turns_and_bad_values_change_nothing():
+    def converse(base: str) -> tuple[list[Any], ...]:
+        with connect(base) as conn:
+            read_until(conn, "session.created")
+            update = {"type": "realtime", "max_output_tokens": 2, "temperature": 0.5}
+            conn.session.update(session=update)
+            updated = read_until(conn, "session.updated")
+            user_text(conn, "hello")
+            conn.response.create()
+            capped = read_until(conn, "response.done")
+            # bad values: an error naming the field; the settings stay as they were
+            bad = []
+            for session in ({"max_output_tokens": -1}, {"temperature": "hot"}, {"voice": ""}):
+                conn.send_raw(json.dumps({"type": "session.update", "session": session}))
+                bad.append(next(iter(conn)))
+            user_text(conn, "hello")
+            conn.response.create()
+            still = read_until(conn, "response.done")
+            conn.session.update(session={"type": "realtime", "max_output_tokens": "inf"})
+            reset = read_until(conn, "session.updated")
+            user_text(conn, "hello")
+            conn.response.create()
+            whole = read_until(conn, "response.done")
+            return updated, capped, bad, still, reset, whole
+
+    async with running_server(pipeline(outputs=4)) as (engine, base):
+        updated, capped, bad, still, reset, whole = await in_thread(converse, base)
+        assert updated[-1].session.max_output_tokens == 2
+        assert texts(capped).count("b:") == 2
+        assert [(e.type, e.error.param) for e in bad] == [
+            ("error", "session.max_output_tokens"),
+            ("error", "session.temperature"),
+            ("error", "session.voice"),
+        ]
+        assert texts(still).count("b:") == 2
+        assert reset[-1].session.max_output_tokens == "inf"
+        assert texts(whole).count("b:") == 4
+        # the text stage (the last one) got them; "inf" dropped the bound, not the temperature
+        (first, *_), *_, (last, *_) = scripted_backends(engine, "b")[0].sampling.values()
+        assert first["max_tokens"] == 2 and first["temperature"] == 0.5
+        assert "max_tokens" not in last and last["temperature"] == 0.5
+
+
+async def test_the_server_sends_a_heartbeat_after_a_silence():
+    limits = RealtimeLimits(heartbeat_s=0.05)
+
+    def listen(port: int) -> list[dict[str, Any]]:
+        with ws_connect(f"ws://127.0.0.1:{port}/v1/realtime") as ws:
+            events = [json.loads(ws.recv(timeout=WAIT)) for _ in range(3)]
+            ws.send(json.dumps({"type": "heartbeat"}))  # the client's own: answered too
+            events.append(json.loads(ws.recv(timeout=WAIT)))
+            return events
+
+    async with running_server(pipeline(outputs=1)) as (engine, _):
+        app = create_app(engine, realtime=limits)
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(serve_http, engine, port=0, app=app))
+            events = await in_thread(listen, port)
+            nursery.cancel_scope.cancel()
+    assert [e["type"] for e in events] == ["session.created", "heartbeat", "heartbeat", "heartbeat"]
+    assert all(e["server_event_seq"] == 0 for e in events)  # nothing of the session's journal
+
+
+@pytest.mark.parametrize(
+    ("limits", "named"),
+    [
+        ({"max_output_events": 0}, "max_output_events must be >= 1"),
+        ({"max_output_bytes": -1}, "max_output_bytes must be >= 1"),
+        ({"heartbeat_s": 0}, "heartbeat_s must be > 0 or None"),
+    ],
+)
+def test_bad_limits_are_refused_naming_the_field(limits: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        RealtimeLimits(**limits)

@@ -38,6 +38,14 @@ def test_each_client_event_maps_to_its_command():
     assert parse(type="session.update", session={"output_modalities": ["text"]})[1] == Update(
         ("text",), {"output_modalities": ["text"]}
     )
+    ga = {"max_output_tokens": 7, "temperature": 1, "audio": {"output": {"voice": "Ethan"}}}
+    assert parse(type="session.update", session=ga)[1] == Update(
+        None, ga, max_output_tokens=7, temperature=1.0, voice="Ethan"
+    )
+    beta = {"max_output_tokens": "inf", "voice": "Chelsie"}
+    assert parse(type="session.update", session=beta)[1] == Update(
+        None, beta, max_output_tokens=0, voice="Chelsie"
+    )
     assert parse(type="conversation.item.create", item=item, event_id="e") == (
         "e",
         AppendText("hi", ""),
@@ -73,6 +81,21 @@ def test_each_client_event_maps_to_its_command():
             '{"type": "session.update", "session": {"output_modalities": ["x"]}}',
             "invalid_event",
             "'text' and 'audio'",
+        ),
+        (
+            '{"type": "session.update", "session": {"max_output_tokens": 0}}',
+            "invalid_event",
+            "positive integer or 'inf'",
+        ),
+        (
+            '{"type": "session.update", "session": {"temperature": -1}}',
+            "invalid_event",
+            "number >= 0",
+        ),
+        (
+            '{"type": "session.update", "session": {"audio": {"output": {"voice": 3}}}}',
+            "invalid_event",
+            "non-empty string",
         ),
         (
             '{"type": "conversation.item.create", "item": {"role": "assistant", "content": []}}',
