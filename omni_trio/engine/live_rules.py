@@ -106,14 +106,23 @@ def append_refusal(
     turn_bytes: int,
     chunk_bytes: int,
     max_pending_input_bytes: int,
+    journal_room: bool = True,
 ) -> str | None:
     """Why an append must be refused (raise, not wait), or None. An append that starts a
-    turn when ``max_pending_turns`` turns have a response in flight, or that would take its
+    turn when ``max_pending_turns`` turns have a response in flight, or while the journal
+    holds as many unread events as it may (``journal_room`` false: a client that does not
+    read would otherwise grow it by each turn's start and end), or one that would take its
     turn's input over ``max_pending_input_bytes``. Pure."""
     if not turn_open and pending_turns >= max_pending_turns:
         return (
             f"{pending_turns} turns have a response in flight, the limit "
             f"(sessions.max_pending_turns) is {max_pending_turns}; nothing was appended"
+        )
+    if not turn_open and not journal_room:
+        return (
+            "the session's events are not being read (the journal holds as many unread "
+            "events as sessions.journal_events / journal_bytes allow); read them before "
+            "starting a turn; nothing was appended"
         )
     if turn_bytes + chunk_bytes > max_pending_input_bytes:
         return (

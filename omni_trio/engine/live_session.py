@@ -19,8 +19,8 @@ Which bound waits and which raises:
   ``journal_events`` / ``journal_bytes`` of events nobody read yet (the request's stages
   then wait on their output channel);
 - raises :class:`SessionBackpressureError`: an append over ``max_pending_input_bytes`` (one
-  user turn's input) or one starting a turn beyond ``max_pending_turns`` (turns whose
-  response has not ended);
+  user turn's input), or one starting a turn beyond ``max_pending_turns`` (turns whose
+  response has not ended) or while the journal is full of events nobody read;
 - raises :class:`SessionLimitError` (retryable): an open beyond ``max_sessions``.
 
 The decisions are pure functions in :mod:`omni_trio.engine.live_rules`.
@@ -483,6 +483,7 @@ class Session:
                 turn_bytes=0 if turn is None else turn.input_bytes,
                 chunk_bytes=size,
                 max_pending_input_bytes=core.limits.max_pending_input_bytes,
+                journal_room=core.journal.has_room(),
             )
             if reason is not None:
                 raise SessionBackpressureError(f"session {core.session_id!r}: {reason}")

@@ -62,6 +62,10 @@ def test_append_refusal():
     why = append_refusal(**{**ok, "chunk_bytes": 5})
     assert why is not None and "max_pending_input_bytes" in why
     assert append_refusal(**{**ok, "turn_open": False, "pending_turns": 3}) is None
+    # a full journal refuses a new turn, never an append to the open one
+    why = append_refusal(**{**ok, "turn_open": False, "pending_turns": 3, "journal_room": False})
+    assert why is not None and "not being read" in why
+    assert append_refusal(**{**ok, "journal_room": False}) is None
 
 
 def test_input_bytes():

@@ -406,6 +406,40 @@ async def test_a_reader_that_lags_holds_the_response_back(autojump_clock):
         assert_all_closed(engine)
 
 
+async def test_a_client_that_never_reads_cannot_grow_the_journal_turn_after_turn(autojump_clock):
+    limits = sessions_config(journal_events=6)
+    async with open_engine(pipeline(outputs=1, engine_options=limits)) as engine:
+        async with engine.open_session("s") as session:
+            refused = None
+            for turn in range(20):  # start a turn, cancel it, and never read an event
+                try:
+                    await session.append([turn])
+                except SessionBackpressureError as exc:
+                    refused = (turn, exc)
+                    break
+                await session.barge_in()
+            assert refused is not None, "twenty unread turns were let in"
+            turn, exc = refused
+            assert "journal_events" in str(exc) and turn == 3  # 2 events a turn: 6 held
+            stats = session.statistics()
+            assert stats.journal_events <= 6 + 1 and stats.responses_in_flight == 0
+            # reading makes room: the next turn goes in
+            events = [e async for e in _take(session.events(), stats.last_seq)]
+            assert len(events) == stats.last_seq
+            await session.append([99])
+            await session.commit()
+            await read_until(session, done_of(f"s/turn-{turn}"))
+        assert_all_closed(engine)
+
+
+async def _take(events, n):
+    async for event in events:
+        yield event
+        n -= 1
+        if not n:
+            return
+
+
 # -- admission ---------------------------------------------------------------------------------
 
 
