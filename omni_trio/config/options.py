@@ -32,6 +32,7 @@ from .reading import explain_validation_error
 __all__ = [
     "DEFAULT_RECORD",
     "DEFAULT_TORCH_FACTORY",
+    "DiffusionOptions",
     "ScriptedOptions",
     "TalkerOptions",
     "TorchOptions",
@@ -156,6 +157,57 @@ class TalkerOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         Annotated[int, Meta(ge=1)] | None,
         Meta(description="torch.set_num_threads (process-wide; default: leave it)"),
     ] = None
+
+
+class DiffusionOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Options of the ``diffusion`` backend (see :mod:`omni_trio.backends.diffusion.backend`)."""
+
+    model: Annotated[
+        str,
+        Meta(
+            description="a diffusers pipeline directory (model_index.json), the tiny:diffusion "
+            "preset, or scripted (a model-free step function for tests: "
+            "omni_trio.testing.diffusion)",
+            min_length=1,
+        ),
+    ]
+    execution: Annotated[
+        Literal["request", "step"],
+        Meta(
+            description="request: a batch runs all its steps before the next batch starts; "
+            "step: every tick runs one denoise step for the running requests of one "
+            "compatibility key, new requests join at the next tick"
+        ),
+    ] = "step"
+    max_batch_size: Annotated[
+        int, Meta(ge=1, description="most requests denoised in one step (one forward)")
+    ] = 4
+    preview_every: Annotated[
+        int, Meta(ge=0, description="a decoded preview image every N steps (0: none)")
+    ] = 0
+    dtype: Annotated[
+        Literal["float32", "bfloat16", "float16"], Meta(description="the pipeline's dtype")
+    ] = "float32"
+    device: Annotated[
+        str, Meta(description="the torch device (cpu, cuda, cuda:1, ...)", min_length=1)
+    ] = "cpu"
+    torch_threads: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        Meta(description="torch.set_num_threads (process-wide; default: leave it)"),
+    ] = None
+    enable_model_cpu_offload: Annotated[
+        bool, Meta(description="diffusers' model CPU offload (needs an accelerator device)")
+    ] = False
+    enable_sequential_cpu_offload: Annotated[
+        bool, Meta(description="diffusers' sequential CPU offload (needs an accelerator device)")
+    ] = False
+    enable_attention_slicing: Annotated[
+        bool, Meta(description="diffusers' attention slicing (the pipeline must support it)")
+    ] = False
+    enable_vae_slicing: Annotated[
+        bool, Meta(description="decode a batch's images one at a time in the VAE")
+    ] = False
+    enable_vae_tiling: Annotated[bool, Meta(description="decode an image in VAE tiles")] = False
 
 
 class VllmOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

@@ -8,7 +8,8 @@ Importing this package is light: the builders import torch/transformers only whe
 - :mod:`~omni_trio.models.progress`: where the builders report their steps;
 - :mod:`~omni_trio.models.building`: what the builders share (corpus, quiet saving);
 - :mod:`~omni_trio.models.qwen_omni`: the Qwen-Omni family (tiny presets, the talker and
-  code2wav that the `talker` and `torch` backends run).
+  code2wav that the `talker` and `torch` backends run);
+- :mod:`~omni_trio.models.diffusion`: diffusion models stepped by the ``diffusion`` backend.
 """
 
 from __future__ import annotations

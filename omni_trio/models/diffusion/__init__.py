@@ -1,0 +1,5 @@
+"""Diffusion models as the ``diffusion`` backend steps them.
+
+- :mod:`~omni_trio.models.diffusion.contract`: the step contract (a request, a model's
+  prepare / step / decode) and the request's sampling params.
+"""
