@@ -47,6 +47,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "backends.vllm": frozenset({FLOOR0, "config", "transport", "stages", "models"}),
     "backends.ray": frozenset({FLOOR0, "config", "transport", "stages"}),
     "backends.talker": frozenset({FLOOR0, "config", "transport", "stages", "models"}),
+    "backends.diffusion": frozenset({FLOOR0, "config", "transport", "stages", "models"}),
     "backends": frozenset(),
     "request": frozenset({FLOOR0, "config", "transport", "stages"}),
     "engine": frozenset({FLOOR0, "config", "transport", "stages", "request"}),

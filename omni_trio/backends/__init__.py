@@ -6,6 +6,8 @@
 - :mod:`omni_trio.backends.vllm`: one real vLLM ``AsyncLLM`` per replica, in a worker thread;
 - :mod:`omni_trio.backends.torch`: a torch module (a vocoder, a decoder) with dynamic batching;
 - :mod:`omni_trio.backends.talker`: a Qwen-Omni talker decoded step by step in worker threads;
+- :mod:`omni_trio.backends.diffusion`: a denoising model (text to image), batched by step and
+  cancelled between steps;
 - :mod:`omni_trio.backends.ray`: any of the others, placed in a Ray actor.
 
 A backend imports the contract (:mod:`omni_trio.stages`), the floor below it and the

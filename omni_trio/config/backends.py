@@ -24,7 +24,13 @@ from types import MappingProxyType
 import msgspec
 
 from ..errors import ConfigError
-from .options import ScriptedOptions, TalkerOptions, TorchOptions, VllmOptions
+from .options import (
+    DiffusionOptions,
+    ScriptedOptions,
+    TalkerOptions,
+    TorchOptions,
+    VllmOptions,
+)
 
 __all__ = [
     "BACKEND_CONTRACT",
@@ -66,6 +72,12 @@ BUILTIN_BACKENDS: Mapping[str, BuiltinBackend] = MappingProxyType(
             ),
             BuiltinBackend(
                 "talker", "omni_trio.backends.talker.backend:TalkerBackend", TalkerOptions, "torch"
+            ),
+            BuiltinBackend(
+                "diffusion",
+                "omni_trio.backends.diffusion.backend:DiffusionBackend",
+                DiffusionOptions,
+                "diffusion",
             ),
         )
     }

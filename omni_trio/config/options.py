@@ -208,6 +208,13 @@ class DiffusionOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, 
         bool, Meta(description="decode a batch's images one at a time in the VAE")
     ] = False
     enable_vae_tiling: Annotated[bool, Meta(description="decode an image in VAE tiles")] = False
+    scripted_step_s: Annotated[
+        float, Meta(ge=0, description="model scripted only: trio-clock seconds a step takes")
+    ] = 0.0
+    scripted_fail_at_step: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        Meta(description="model scripted only: a request's step that raises (from 1)"),
+    ] = None
 
 
 class VllmOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
