@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -104,76 +103,61 @@ async def test_the_same_seed_gives_the_same_image_alone_or_batched_in_either_mod
         assert_nothing_in_flight(engine)
 
 
+async def timed(engine: Any, *requests: tuple[str, float, dict[str, Any]]) -> tuple[dict, dict]:
+    """Run ``(prompt, delay, params)`` requests concurrently, each after its delay: when
+    each ended (from the start) and its image."""
+    start = trio.current_time()
+    ends: dict[str, float] = {}
+    images: dict[str, Any] = {}
+
+    async def one(name: str, delay: float, params: dict[str, Any]) -> None:
+        await trio.sleep(delay)
+        images[name] = await image_of(engine, name, **params)
+        ends[name] = trio.current_time() - start
+
+    async with trio.open_nursery() as nursery:
+        for name, delay, params in requests:
+            nursery.start_soon(one, name, delay, params)
+    return ends, images
+
+
+TEN = {"seed": 1, "num_inference_steps": 10}
+
+
 async def test_step_mode_lets_a_request_join_a_running_one_at_the_next_tick(autojump_clock):
     async with open_engine(image_pipeline(execution="step")) as engine:
-        ends: dict[str, float] = {}
-        images: dict[str, Any] = {}
-
-        async def one(name: str, delay: float) -> None:
-            await trio.sleep(delay)
-            images[name] = await image_of(engine, name, seed=1, num_inference_steps=10)
-            ends[name] = trio.current_time()
-
-        start = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(one, "first", 0)
-            nursery.start_soon(one, "second", 3.5 * STEP_S)
+        ends, images = await timed(engine, ("first", 0, TEN), ("second", 3.5 * STEP_S, TEN))
         # the second joined the first's steps: both done after 14 ticks, not 20
-        assert ends["first"] - start == pytest.approx(10 * STEP_S)
-        assert ends["second"] - start == pytest.approx(14 * STEP_S)
+        assert ends == {"first": pytest.approx(10 * STEP_S), "second": pytest.approx(14 * STEP_S)}
         assert (await describe(engine))["largest_batch"] == 2
-    assert [
-        np.array_equal(images[n], i)
-        for n, i in zip(
-            ("first", "second"),
-            await solo_images(
-                [
-                    ("first", {"seed": 1, "num_inference_steps": 10}),
-                    ("second", {"seed": 1, "num_inference_steps": 10}),
-                ]
-            ),
-            strict=True,
-        )
-    ] == [True, True]
+    solo = await solo_images([("first", TEN), ("second", TEN)])
+    assert np.array_equal(images["first"], solo[0])
+    assert np.array_equal(images["second"], solo[1])
 
 
 async def test_request_mode_runs_a_batch_to_its_end_before_the_next(autojump_clock):
     async with open_engine(image_pipeline(execution="request")) as engine:
-        ends: dict[str, float] = {}
-
-        async def one(name: str, delay: float) -> None:
-            await trio.sleep(delay)
-            await image_of(engine, name, seed=1, num_inference_steps=10)
-            ends[name] = trio.current_time()
-
-        start = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(one, "first", 0)
-            nursery.start_soon(one, "second", 3.5 * STEP_S)
-        assert ends["first"] - start == pytest.approx(10 * STEP_S)
-        assert ends["second"] - start == pytest.approx(20 * STEP_S)
+        ends, _ = await timed(engine, ("first", 0, TEN), ("second", 3.5 * STEP_S, TEN))
+        assert ends == {"first": pytest.approx(10 * STEP_S), "second": pytest.approx(20 * STEP_S)}
         assert (await describe(engine))["largest_batch"] == 1
 
 
 async def test_another_key_waits_for_the_oldest_running_request_in_step_mode(autojump_clock):
+    four = {"seed": 1, "num_inference_steps": 4}
     async with open_engine(image_pipeline(execution="step")) as engine:
-        ends: dict[str, float] = {}
-
-        async def one(name: str, delay: float, **kw: Any) -> None:
-            await trio.sleep(delay)
-            await image_of(engine, name, seed=1, num_inference_steps=4, **kw)
-            ends[name] = trio.current_time()
-
-        start = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(one, "a", 0)
-            nursery.start_soon(partial(one, "wide", 0.5 * STEP_S, width=64))
-            nursery.start_soon(one, "b", 1.5 * STEP_S)
+        ends, _ = await timed(
+            engine,
+            ("a", 0, four),
+            ("wide", 0.5 * STEP_S, {**four, "width": 64}),
+            ("b", 1.5 * STEP_S, four),
+        )
         # a runs ticks 1-4; b joins at tick 3 (a's key); then the oldest running one is
         # wide (it came before b): ticks 5-8; b's last two steps wait for it
-        assert ends["a"] - start == pytest.approx(4 * STEP_S)
-        assert ends["wide"] - start == pytest.approx(8 * STEP_S)
-        assert ends["b"] - start == pytest.approx(10 * STEP_S)
+        assert ends == {
+            "a": pytest.approx(4 * STEP_S),
+            "wide": pytest.approx(8 * STEP_S),
+            "b": pytest.approx(10 * STEP_S),
+        }
 
 
 async def test_previews_arrive_every_n_steps_then_the_image(autojump_clock):
