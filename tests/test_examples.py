@@ -1,5 +1,6 @@
 """Every script in examples/ runs as a user runs it (a subprocess of this interpreter, from an
-empty directory) and prints what it promises. Scripted stages only: no model is built."""
+empty directory) and prints what it promises. Scripted stages, but for the realtime client:
+it talks to a real ``omni-trio serve tiny-omni`` (marked ``vllm``)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import re
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from omni_trio import ConfigError, StageConfig, load_config
 
+from .cli.test_serve import Server
 from .conftest import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +23,13 @@ EXAMPLES = ROOT / "examples"
 TIMEOUT_S = 120
 
 #: the runnable examples, each with a test below, and the modules they import
-RUNNABLE = {"readme_example.py", "custom_backend.py", "anyio_app.py", "test_my_app.py"}
+RUNNABLE = {
+    "readme_example.py",
+    "custom_backend.py",
+    "anyio_app.py",
+    "test_my_app.py",
+    "realtime_client.py",
+}
 HELPERS = {"shout_backend.py"}
 
 pytestmark = pytest.mark.slow
@@ -38,8 +47,8 @@ def run(args: list[str], cwd: Path) -> str:
     return proc.stdout
 
 
-def run_example(name: str, tmp_path: Path) -> list[str]:
-    return run([str(EXAMPLES / name)], cwd=tmp_path).splitlines()
+def run_example(name: str, tmp_path: Path, *args: str) -> list[str]:
+    return run([str(EXAMPLES / name), *args], cwd=tmp_path).splitlines()
 
 
 def test_every_example_is_run_here() -> None:
@@ -120,3 +129,39 @@ def test_my_app_tests(tmp_path: Path) -> None:
     )
     assert re.search(r"\b4 passed\b", out), out
     assert "failed" not in out and "error" not in out.lower(), out
+
+
+@pytest.mark.vllm  # a real tiny-omni server: two vLLM engines and the vocoder
+def test_realtime_client(tmp_path: Path) -> None:
+    server = Server(["tiny-omni"])
+    try:
+        port = server.wait_for_port(timeout=600)  # printed once every stage is ready
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        lines = run_example("realtime_client.py", tmp_path, url)
+    finally:
+        server.kill()
+    said = dict(ln.split(": ", 1) for ln in lines)
+
+    def parse(key: str, pattern: str) -> tuple[str, ...]:
+        m = re.fullmatch(pattern, said[key])
+        assert m is not None, f"{key}: {said[key]!r}"
+        return m.groups()
+
+    (session_id,) = parse("session", r"(\w+), audio out PCM16 at 16000 Hz")
+    # a text turn: text (gibberish: random weights) and audio, then completed
+    assert said["turn 1 text"] not in ("''", '""')
+    nbytes, samples = map(int, parse("turn 1 audio", r"(\d+) bytes \((\d+) samples\)"))
+    assert nbytes == 2 * samples > 0
+    assert said["turn 1 response"] == "completed"
+    assert said["turn 2 barge-in"] == "response cancelled"
+    # the socket dropped mid-response; the resume replayed what came after the last seq
+    (last,) = parse("turn 3 socket closed", r"after server event (\d+)")
+    replay = r"session (\w+), (\d+) events replayed \(server events (\d+) to (\d+)\)"
+    resumed, n, first, final = parse("turn 3 resumed", replay)
+    assert resumed == session_id and int(n) > 0
+    assert int(last) < int(first) <= int(final)
+    # all the response's audio (the talker makes as many codes each turn): nothing lost
+    assert said["turn 3 audio"] == said["turn 1 audio"]
+    assert said["turn 3 response"] == "completed"
+    assert list(tmp_path.iterdir()) == []  # it writes nothing
