@@ -105,6 +105,11 @@ async def main() -> None:
         print(f"turn 3 audio: {len(audio)} bytes ({len(audio) // 2} samples)")
         print(f"turn 3 response: {replayed[-1].response.status}")
 
+        # done: end the session now (a closed socket would only detach it for the grace)
+        await conn.send_raw(json.dumps({"type": "session.close"}))
+        closed = (await read_until(conn, "session.closed"))[-1]
+        print(f"session closed: {closed.reason}")  # an extra event type: pydantic keeps it
+
 
 if __name__ == "__main__":
     asyncio.run(main())

@@ -164,4 +164,5 @@ def test_realtime_client(tmp_path: Path) -> None:
     # all the response's audio (the talker makes as many codes each turn): nothing lost
     assert said["turn 3 audio"] == said["turn 1 audio"]
     assert said["turn 3 response"] == "completed"
+    assert said["session closed"] == "closed"  # ended, not left detached
     assert list(tmp_path.iterdir()) == []  # it writes nothing

@@ -635,6 +635,15 @@ class Session:
                 await core.ended.wait()
             await trio.lowlevel.checkpoint()
 
+    def close_nowait(self, reason: str = "closed") -> None:
+        """Begin closing the session, as :meth:`aclose` does, without waiting: its responses
+        are cancelled and, once every stage dropped them, ``SessionClosed(reason)`` is
+        published by the session's own task. Synchronous, idempotent; a no-op for a handle
+        that was detached."""
+        core = self._core
+        if core.generation == self._generation:
+            core.begin_close(reason)
+
     def statistics(self) -> SessionStatistics:
         """A frozen snapshot. Synchronous."""
         core = self._core

@@ -38,6 +38,7 @@ from .realtime_protocol import (
     AppendText,
     BargeIn,
     ClearInput,
+    Close,
     Command,
     Commit,
     Heartbeat,
@@ -151,6 +152,7 @@ class _Connection:
         self.n_events = 0
         self.slow: str | None = None  # why the output buffer overflowed
         self.taken_over = False
+        self.over = False  # the session closed: end once its last events are sent
         self.released = trio.Event()
         self.modalities: list[str] | None = None
         # session.update's sampling: the text stage's, and each talker stage's voice
@@ -182,6 +184,10 @@ class _Connection:
         if reason is not None:
             self.slow = f"the client does not read: {reason}; the session is closed"
             self.out.append(json.dumps(error_event(self.slow, code="slow_client")))
+            # the session closes now: the writer may be stuck in the server's send (a
+            # shielded write to a socket nobody reads) until the client reads or goes away
+            if self.session is not None:
+                self.session.close_nowait("slow_client")
             if self.nursery is not None:
                 self.nursery.cancel_scope.cancel()
 
@@ -194,6 +200,10 @@ class _Connection:
                 data = self.out.popleft()
                 self.out_bytes -= len(data)
                 await self.ws.send_text(data)
+            if self.over:
+                assert self.nursery is not None
+                self.nursery.cancel_scope.cancel()
+                return
             self.out_ready = trio.Event()
             await self.out_ready.wait()
 
@@ -214,9 +224,9 @@ class _Connection:
                     self.push(server_event)
                 self.sent_seq = event.seq
             if not session.attached and session.statistics().state != "open":
-                # SessionClosed went out: the conversation is over
-                assert self.nursery is not None
-                self.nursery.cancel_scope.cancel()
+                # SessionClosed is queued: the conversation is over once the writer sent it
+                self.over = True
+                self.out_ready.set()
 
     async def _attach(self, session: Session, kind: str) -> None:
         assert self.nursery is not None
@@ -299,11 +309,17 @@ class _Connection:
                 del ep.attached[session.session_id]
             self.released.set()
             if self.slow is not None:
-                with trio.move_on_after(1):  # the socket may be full: do not wait on it
-                    try:
-                        await self.ws.close(1008, "slow client")
-                    except (*_GONE, RuntimeError):
-                        pass  # the close frame is best effort: the client is not reading
+                await self._close_socket(1008, "slow client")
+            elif session is not None and session.statistics().state == "closed":
+                await self._close_socket(1000, "session closed")
+
+    async def _close_socket(self, code: int, reason: str) -> None:
+        # best effort: the client may be gone, or not reading (a full socket)
+        with trio.move_on_after(1):
+            try:
+                await self.ws.close(code, reason)
+            except (*_GONE, RuntimeError):
+                pass
 
     async def _read(self) -> None:
         while True:
@@ -367,6 +383,9 @@ class _Connection:
         elif isinstance(command, Heartbeat):
             session.touch()
             self.push({"type": "heartbeat"})
+        elif isinstance(command, Close):
+            # SessionClosed goes out through the pump, which then ends the connection
+            await session.aclose()
         elif isinstance(command, Resume):
             await self._resume(command)
         else:  # pragma: no cover - parse_client_event makes only the commands above

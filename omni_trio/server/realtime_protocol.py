@@ -6,7 +6,7 @@ The subset of OpenAI's Realtime dialect that the ``openai`` package's realtime c
 - client: ``session.update``, ``input_audio_buffer.append`` / ``commit`` / ``clear``,
   ``conversation.item.create`` (a user message's ``input_text`` parts), ``response.create``,
   ``response.cancel``; the session extras ``session.resume``, ``session.event_ack``,
-  ``barge_in``, ``heartbeat``;
+  ``barge_in``, ``heartbeat``, ``session.close``;
 - server: ``session.created`` / ``updated`` / ``resumed`` / ``closed``,
   ``input_audio_buffer.committed`` / ``cleared``, ``conversation.item.created``,
   ``response.created``, ``response.output_text.delta``, ``response.output_audio.delta``,
@@ -51,6 +51,7 @@ __all__ = [
     "AppendText",
     "BargeIn",
     "ClearInput",
+    "Close",
     "Command",
     "Commit",
     "Heartbeat",
@@ -146,8 +147,22 @@ class Heartbeat:
     """``heartbeat``: the client is alive."""
 
 
+@dataclass(frozen=True, slots=True)
+class Close:
+    """``session.close``: end the session now (a closed socket only detaches it)."""
+
+
 Command = (
-    Update | AppendAudio | AppendText | Commit | ClearInput | BargeIn | Resume | Ack | Heartbeat
+    Update
+    | AppendAudio
+    | AppendText
+    | Commit
+    | ClearInput
+    | BargeIn
+    | Resume
+    | Ack
+    | Heartbeat
+    | Close
 )
 
 
@@ -320,6 +335,8 @@ def _command(kind: str, event: dict[str, Any]) -> Command:
         return Ack(_field(event, "server_event_seq", int, kind))
     if kind == "heartbeat":
         return Heartbeat()
+    if kind == "session.close":
+        return Close()
     raise ProtocolError(f"unknown client event type {kind!r}", code="unknown_event", param="type")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 from functools import partial
 from typing import Any
 
@@ -221,23 +222,20 @@ async def test_a_client_that_stops_reading_is_told_and_its_session_closed():
     config = pipeline(outputs=100_000)
     limits = RealtimeLimits(max_output_events=64)
 
+    done = threading.Event()
+
     def stall(port: int) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", port))
-        with ws_connect(f"ws://127.0.0.1:{port}/v1/realtime", sock=sock) as ws:
-            ws.recv()  # session.created
+        # max_queue: the client library's reader stops taking frames off the socket once one
+        # is queued, so nothing reads: the socket's buffers fill, then the server's output
+        with ws_connect(f"ws://127.0.0.1:{port}/v1/realtime", sock=sock, max_queue=1) as ws:
+            ws.recv(timeout=WAIT)  # session.created
             item = {"type": "message", "content": [{"type": "input_text", "text": "x"}]}
             ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
             ws.send(json.dumps({"type": "response.create"}))
-            # ...and never reads again: the server must close it
-            sock.settimeout(WAIT)
-            try:
-                while True:
-                    if not sock.recv(1):  # pragma: no cover - a read would drain it
-                        return
-            except OSError:
-                return
+            done.wait(WAIT)  # ...and never reads again: the server must close it
 
     async with running_server(config) as (engine, base):
         app = create_app(engine, realtime=limits)
@@ -248,10 +246,14 @@ async def test_a_client_that_stops_reading_is_told_and_its_session_closed():
                     partial(trio.to_thread.run_sync, stall, port, abandon_on_cancel=True)
                 )
                 with trio.fail_after(WAIT):
-                    while engine.statistics().sessions < 1:  # noqa: ASYNC110
+                    # the connection stays until its client reads or goes: a sure sign
+                    while not app.state.realtime.connections:  # noqa: ASYNC110
                         await trio.sleep(0.01)
-                    while engine.statistics().sessions:  # noqa: ASYNC110
+                    while engine.statistics().sessions or engine.statistics().requests_total < 1:  # noqa: ASYNC110
                         await trio.sleep(0.01)
+                # the session closed while the client still holds its socket unread
+                assert app.state.realtime.detached == {}  # closed, not detached
+                done.set()
                 clients.cancel_scope.cancel()
             assert engine.statistics().requests_in_flight == 0
             # the server serves on
@@ -388,3 +390,28 @@ async def test_the_server_sends_a_heartbeat_after_a_silence():
 def test_bad_limits_are_refused_naming_the_field(limits: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         RealtimeLimits(**limits)
+
+
+async def test_session_close_ends_the_session_at_once_and_the_socket():
+    def converse(base: str) -> list[Any]:
+        with connect(base) as conn:
+            read_until(conn, "session.created")
+            user_text(conn, "hi")
+            conn.response.create()
+            read_until(conn, "response.done")
+            conn.send_raw(json.dumps({"type": "session.close"}))
+            closed = read_until(conn, "session.closed")
+            rest = list(conn)  # the server closes the socket after it
+            return [*closed, *rest]
+
+    # a long detach grace: a session that were only detached would still be there
+    async with running_server(pipeline(outputs=2, sessions={"detach_grace_s": 600})) as (
+        engine,
+        _base,
+    ):
+        events = await in_thread(converse, _base)
+        assert events[-1].type == "session.closed"
+        with trio.fail_after(WAIT):
+            while engine.statistics().sessions:  # noqa: ASYNC110 (no event for it)
+                await trio.sleep(0.01)
+        assert engine.statistics().requests_in_flight == 0

@@ -16,6 +16,7 @@ from omni_trio.server.realtime_protocol import (
     AppendText,
     BargeIn,
     ClearInput,
+    Close,
     Commit,
     Heartbeat,
     ProtocolError,
@@ -64,6 +65,7 @@ def test_each_client_event_maps_to_its_command():
     assert resume[1] == Resume("s", "t", 7)
     assert parse(type="session.event_ack", server_event_seq=4)[1] == Ack(4)
     assert parse(type="heartbeat")[1] == Heartbeat()
+    assert parse(type="session.close")[1] == Close()
 
 
 @pytest.mark.parametrize(
