@@ -49,7 +49,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -498,12 +498,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def main() -> None:
+def print_report(
+    run: Callable[[argparse.Namespace], Awaitable[dict[str, Any]]], a: argparse.Namespace
+) -> None:
+    """``run(a)`` under trio (it may start vLLM engines), its report printed as rounded JSON."""
     # vLLM logs to stdout by default, where the JSON goes; its EngineCore inherits this
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    report = trio.run(run, parse_args())
+    report = trio.run(run, a)
     print(json.dumps(rounded(report), indent=2))
+
+
+def main() -> None:
+    print_report(run, parse_args())
 
 
 if __name__ == "__main__":

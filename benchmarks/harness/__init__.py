@@ -10,6 +10,10 @@ are public, tested where they live (:mod:`omni_trio.testing`).
   steps, :class:`omni_trio.testing.FakeEngine`, through omni-trio and chained by hand);
 - :mod:`harness.replica_cells`: the replica pool cells of ``bench_replicas.py`` (which
   ``bench_orchestrator.py --replicas`` runs too);
+- ``bench_sessions.py``'s parts: :mod:`harness.session_cells` (a live session's turns and
+  one-shot requests on one engine, each read into a watch of its milestones: the rate, barge-in
+  and first-audio cells) and :mod:`harness.session_ws` (the same over ``WS /v1/realtime``
+  against ``POST /v1/completions``);
 - ``bench_vllm_pipeline.py``'s parts: :mod:`harness.vllm_cells` (the cells, systems and
   engine settings), :mod:`harness.vllm_child` (one system on one cell, in a subprocess),
   :mod:`harness.vllm_trio` (the no-orchestrator trio floor), :mod:`harness.vllm_procs` (the
