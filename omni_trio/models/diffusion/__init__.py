@@ -1,5 +1,7 @@
 """Diffusion models as the ``diffusion`` backend steps them.
 
 - :mod:`~omni_trio.models.diffusion.contract`: the step contract (a request, a model's
-  prepare / step / decode) and the request's sampling params.
+  prepare / step / decode) and the request's sampling params;
+- :mod:`~omni_trio.models.diffusion.tiny`: the ``tiny:diffusion`` preset, a tiny seeded
+  Stable-Diffusion-shaped pipeline built locally.
 """
