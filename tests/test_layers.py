@@ -12,8 +12,9 @@ The rules (README, "Layout"):
   ``engine/``;
 - ``request/`` never imports ``engine/`` or a backend; ``engine/`` never imports a backend;
 - only ``cli/`` imports ``server/``; nothing in the package imports ``benchmarks``;
-- ``vllm``, ``torch`` and ``ray`` are imported only by their backend (``config/vllm_fields``
-  reads vLLM's field list; ``models/`` are torch modules);
+- ``vllm``, ``torch``, ``ray`` and ``diffusers`` are imported only by their backend
+  (``config/vllm_fields`` reads vLLM's field list; ``models/`` are torch modules and
+  diffusers pipelines);
 - across packages, only public modules: never another package's ``_x`` module.
 
 Each rule is a pure function of the import graph, so a test can show that a wrong import is
@@ -77,6 +78,7 @@ HEAVY: dict[str, frozenset[str]] = {
     "vllm": frozenset({"backends.vllm", "config"}),
     "torch": frozenset({"backends.torch", "backends.talker", "backends.vllm", "models"}),
     "ray": frozenset({"backends.ray"}),
+    "diffusers": frozenset({"models", "backends.diffusion"}),
 }
 
 

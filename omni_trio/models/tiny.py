@@ -4,7 +4,8 @@ No model hub: the tokenizer is trained with ``tokenizers`` on an in-memory corpu
 weights come from a seeded ``torch`` generator, so the same preset and seed give the same
 files on every machine. Models are written under the cache directory (``$OMNI_TRIO_CACHE``,
 default ``~/.cache/omni-trio``) as ``tiny/<preset>-<spec hash>/``, in the layout vLLM and
-transformers load (``config.json``, ``model.safetensors``, tokenizer files).
+transformers load (``config.json``, ``model.safetensors``, tokenizer files), or diffusers'
+pipeline layout for ``diffusion`` (:mod:`omni_trio.models.diffusion.tiny`).
 
 A build is atomic: it is written into a temporary sibling directory and renamed into place,
 so a crash never leaves a half-written model, and two processes racing on the same model
@@ -24,10 +25,11 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import BackendUnavailableError, ConfigError
 from .building import CORPUS_WORDS, save_quietly
+from .diffusion.tiny import build_tiny_diffusion
 from .progress import report_step
 from .qwen_omni.qwen3 import build_qwen3_omni
 from .qwen_omni.qwen25 import build_qwen25_omni
@@ -91,6 +93,18 @@ TINY_PRESETS: Mapping[str, TinySpec] = {
 FAMILY_PRESETS: Mapping[str, FamilySpec] = {
     "qwen3-omni": FamilySpec("qwen3-omni", seed=1234),
     "qwen2.5-omni": FamilySpec("qwen2.5-omni", seed=4321),
+    "diffusion": FamilySpec("diffusion", seed=2024),
+}
+
+
+class _FamilyBuilder(Protocol):
+    def __call__(self, spec: FamilySpec, out: Path, *, label: str, progress: bool) -> None: ...
+
+
+_FAMILY_BUILDERS: Mapping[str, _FamilyBuilder] = {
+    "qwen3-omni": build_qwen3_omni,
+    "qwen2.5-omni": build_qwen25_omni,
+    "diffusion": build_tiny_diffusion,
 }
 #: bump when a family recipe changes
 _FAMILY_RECIPE_VERSION = 1
@@ -187,9 +201,8 @@ def _recipe_for(
     _import_build_deps()
 
     def build(out: Path) -> None:
-        label = f"tiny model {name!r}"
-        builder = build_qwen25_omni if family.family == "qwen2.5-omni" else build_qwen3_omni
-        builder(family, out, label=label, progress=progress)
+        builder = _FAMILY_BUILDERS[family.family]
+        builder(family, out, label=f"tiny model {name!r}", progress=progress)
 
     return digest, build, recorded
 
@@ -203,11 +216,13 @@ def resolve_model(ref: str, *, cache_dir: str | os.PathLike[str] | None = None) 
 
 
 def model_fingerprint(path: str | os.PathLike[str]) -> str:
-    """sha256 over a model directory's files (names and bytes, marker excluded). Blocking."""
+    """sha256 over a model directory's files, subdirectories included (relative names and
+    bytes, marker excluded). Blocking."""
+    root = Path(path)
     h = hashlib.sha256()
-    for f in sorted(Path(path).iterdir()):
-        if f.is_file() and f.name != _MARKER:
-            h.update(f.name.encode() + b"\0")
+    for f in sorted(root.rglob("*")):
+        if f.is_file() and f.relative_to(root).as_posix() != _MARKER:
+            h.update(f.relative_to(root).as_posix().encode() + b"\0")
             h.update(f.read_bytes())
     return h.hexdigest()
 

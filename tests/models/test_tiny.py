@@ -155,3 +155,12 @@ def test_build_steps_go_to_the_context_sink(
     assert {what for what, *_ in sink.steps} == {"tiny model 'talker'"}
     assert sink.steps[-1][3] == "done" and "bfloat16" in sink.steps[2][3]
     assert capfd.readouterr().err == ""  # not on stderr, and no bar of transformers' own
+
+
+def test_fingerprint_covers_subdirectories(tmp_path: Path) -> None:
+    (tmp_path / "unet").mkdir()
+    (tmp_path / "model_index.json").write_text("{}")
+    (tmp_path / "unet" / "weights").write_bytes(b"1")
+    before = model_fingerprint(tmp_path)
+    (tmp_path / "unet" / "weights").write_bytes(b"2")
+    assert model_fingerprint(tmp_path) != before
