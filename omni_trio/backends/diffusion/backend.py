@@ -176,7 +176,6 @@ class DiffusionBackend(StageBackend):
             batch = [self._running[i] for i in tick.batch]
             await self._tick(admitted, batch)
 
-
     async def _tick(self, admitted: list[_Job], batch: list[_Job]) -> None:
         model = self._model
         assert model is not None
