@@ -17,8 +17,6 @@ from omni_trio.errors import ConfigError
 from omni_trio.pipelines import default_pipeline_path, pipeline_path
 from omni_trio.pipelines.diffusers_dir import diffusion_pipeline, is_diffusers_dir
 
-from .image_standin import needs_diffusion_backend
-
 
 @pytest.mark.parametrize("name", ["tiny-omni", "tiny-omni-scripted"])
 def test_shipped_pipelines_load(name: str) -> None:
@@ -125,7 +123,6 @@ def test_tiny_llm_image_renders_the_llms_text():
     assert image["options"]["model"] == "tiny:diffusion"
 
 
-@needs_diffusion_backend
 @pytest.mark.parametrize("name", ["tiny-image", "tiny-llm-image"])
 def test_image_pipelines_load(name: str) -> None:
     cfg = load_config(pipeline_path(name))
@@ -162,7 +159,6 @@ def test_a_diffusers_directory_is_a_one_stage_diffusion_pipeline(tmp_path: Path)
     assert "seed" not in diffusion_pipeline(str(model))["stages"][0]["default_sampling_params"]
 
 
-@needs_diffusion_backend
 def test_a_diffusers_directorys_pipeline_loads(tmp_path: Path) -> None:
     (tmp_path / "model_index.json").write_text("{}")
     cfg = load_config(diffusion_pipeline(str(tmp_path)))

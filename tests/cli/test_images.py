@@ -1,7 +1,7 @@
 """``omni-trio run`` on image pipelines: PROMPT arguments, one PNG per image, previews when
 asked, the image flags, what is refused; and a diffusers directory as CONFIG. The image
-stage is the model-free stand-in of tests/image_standin.py (the shipped ``tiny-image`` needs
-the ``diffusion`` backend: its own test is marked)."""
+stage is a ``diffusion`` stage on the scripted model (the shipped ``tiny-image`` needs the
+``tiny:diffusion`` model: its own test is marked)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 import omni_trio
-from omni_trio.cli.args import build_parser, parse_command_line
+from omni_trio.cli.args import UsageError, build_parser, parse_command_line
 from omni_trio.cli.main import main
 from omni_trio.cli.model_dir import check_model_dir, model_overrides
 from omni_trio.cli.runner import StageTimer, config_source, run_prompts
@@ -23,40 +23,58 @@ from omni_trio.pipelines import pipeline_path
 from omni_trio.testing import cancel_at_every_checkpoint
 
 from ..conftest import engine_seconds
-from ..image_standin import SIZE, STANDIN, expected_images, image_pipeline, needs_diffusion_backend
+from ..diffusion_helpers import (
+    NOT_IMAGES,
+    describe,
+    image_pipeline,
+    needs_tiny_diffusion,
+    scripted_images,
+)
 from .test_main import one_line_error, pipeline, write
 
-IMAGE_YAML = f"""\
+IMAGE_YAML = """\
 name: images
 stages:
   - id: image
-    backend: "{STANDIN}"
-    options: {{options}}
+    backend: diffusion
+    options: {{model: scripted{options}}}
     output_type: image
     final_output: true
-    default_sampling_params: {{{{num_inference_steps: 4}}}}
+    default_sampling_params: {{num_inference_steps: 4, guidance_scale: 7.5}}
 """
 
-LLM_IMAGE_YAML = f"""\
+LLM_IMAGE_YAML = """\
 name: llm-image
 stages:
   - id: llm
     backend: scripted
-    options: {{outputs: 3}}
+    options: {outputs: 3}
     output_type: text
     final_output: true
   - id: image
-    backend: "{STANDIN}"
+    backend: diffusion
     inputs: [llm]
     input_processor: "omni_trio.models.diffusion.handoff:image_prompt"
-    processor_options: {{prompt_source: llm}}
+    processor_options: {prompt_source: llm}
+    options: {model: scripted}
     output_type: image
     final_output: true
-    default_sampling_params: {{num_inference_steps: 2}}
+    default_sampling_params: {num_inference_steps: 2, seed: 9}
+"""
+
+NOT_IMAGES_YAML = f"""\
+name: images
+stages:
+  - id: image
+    backend: "{NOT_IMAGES}"
+    output_type: image
+    final_output: true
 """
 
 
-def images_file(tmp_path: Path, options: str = "{}") -> str:
+def images_file(tmp_path: Path, options: str = "") -> str:
+    """A one-stage image pipeline file; ``options``: more of the stage's options
+    (``", preview_every: 1"``)."""
     return write(tmp_path, IMAGE_YAML.format(options=options), "images.yaml")
 
 
@@ -67,11 +85,11 @@ def png(path: Path) -> np.ndarray:
 
 def test_run_writes_one_png_per_prompt_from_a_positional_prompt(tmp_path, capsys):
     out_dir = tmp_path / "out"
-    assert main(["run", images_file(tmp_path), "a cat", "--output-dir", str(out_dir)]) == 0
+    argv = ["run", images_file(tmp_path), "a cat", "--seed", "1"]
+    assert main([*argv, "--output-dir", str(out_dir)]) == 0
     out = capsys.readouterr().out
-    want = expected_images("a cat", step=4, height=SIZE[0], width=SIZE[1])[0]
-    assert np.array_equal(png(out_dir / "prompt-1.png"), want)
-    assert f"[1] wrote {out_dir / 'prompt-1.png'} (24x16)" in out
+    assert np.array_equal(png(out_dir / "prompt-1.png"), scripted_images("a cat", seed=1)[0])
+    assert f"[1] wrote {out_dir / 'prompt-1.png'} (32x32)" in out
     assert sorted(p.name for p in out_dir.iterdir()) == ["prompt-1.png"]  # no preview
     assert "[1] image: " not in out  # no text stage: no text line
     summary = out.strip().splitlines()[-1]
@@ -84,7 +102,7 @@ def test_prompts_come_as_arguments_before_and_after_flags_then_each_prompt_flag(
     argv = ["run", images_file(tmp_path), "a cat", "--prompt", "a dog", "--seed", "3"]
     assert main([*argv, "a bird", "--output-dir", str(out_dir)]) == 0
     for n, prompt in enumerate(["a cat", "a bird", "a dog"], 1):
-        want = expected_images(prompt, seed=3, step=4, height=SIZE[0], width=SIZE[1])[0]
+        want = scripted_images(prompt, seed=3)[0]
         assert np.array_equal(png(out_dir / f"prompt-{n}.png"), want), prompt
     assert "[3] prompt: a dog" in capsys.readouterr().out
 
@@ -94,21 +112,25 @@ def test_the_image_flags_become_the_image_stages_sampling_params(tmp_path, capsy
     flags = ["--size", "32x8", "--steps", "2", "--num-images", "2", "--seed", "0"]
     flags += ["--negative-prompt", "blurry", "--guidance-scale", "3"]
     assert main(["run", images_file(tmp_path), "a cat", *flags, "--output-dir", str(out_dir)]) == 0
-    want = expected_images("a cat", seed=0, step=2, height=8, width=32, n=2)
+    asked = {"seed": 0, "num_inference_steps": 2, "width": 32, "height": 8}
+    asked |= {"num_images_per_prompt": 2, "guidance_scale": 3.0}
+    want = scripted_images("a cat", negative_prompt="blurry", **asked)
+    assert not np.array_equal(want, scripted_images("a cat", **asked))  # the negative counts
     for i in (1, 2):
         assert np.array_equal(png(out_dir / f"prompt-1-{i}.png"), want[i - 1])
-    assert "wrote" in capsys.readouterr().out and not (out_dir / "prompt-1.png").exists()
+    assert "(32x8)" in capsys.readouterr().out and not (out_dir / "prompt-1.png").exists()
 
 
 def test_previews_are_written_only_when_asked(tmp_path, capsys):
-    path = images_file(tmp_path, "{preview_every: 1}")
+    path = images_file(tmp_path, ", preview_every: 1")
     quiet, loud = tmp_path / "quiet", tmp_path / "loud"
     assert main(["run", path, "a cat", "--output-dir", str(quiet)]) == 0
     assert sorted(p.name for p in quiet.iterdir()) == ["prompt-1.png"]
-    assert main(["run", path, "a cat", "--previews", "--output-dir", str(loud)]) == 0
+    argv = ["run", path, "a cat", "--previews", "--seed", "2", "--output-dir", str(loud)]
+    assert main(argv) == 0
     names = ["prompt-1-step1.png", "prompt-1-step2.png", "prompt-1-step3.png", "prompt-1.png"]
     assert sorted(p.name for p in loud.iterdir()) == names
-    want = expected_images("a cat", step=2, height=SIZE[0], width=SIZE[1])[0]
+    want = scripted_images("a cat", seed=2, steps=2)[0]
     assert np.array_equal(png(loud / "prompt-1-step2.png"), want)
     assert "4 PNG file(s)" in capsys.readouterr().out
 
@@ -121,7 +143,7 @@ def test_an_llm_to_image_pipeline_prints_the_text_and_writes_the_image_of_it(tmp
     (line,) = [ln for ln in out.splitlines() if ln.startswith("[1] llm: ")]
     text = line.removeprefix("[1] llm: ")
     assert text.count("llm:") == 2  # --max-tokens went to the text stage
-    want = expected_images(text.strip(), step=2, height=SIZE[0], width=SIZE[1])[0]
+    want = scripted_images(text.strip(), seed=9, num_inference_steps=2)[0]
     assert np.array_equal(png(out_dir / "prompt-1.png"), want)
 
 
@@ -162,22 +184,22 @@ def test_an_unknown_flag_after_the_prompts_is_still_refused(capsys):
         parse_command_line(parser, ["validate", "cfg", "extra"])  # only run takes prompts
 
 
-@pytest.mark.parametrize(
-    ("options", "says"),
-    [
-        ("{fail_at_step: 2}", "failed at step 2"),
-        (
-            "{bad_data: oops}",
-            "stage 'image' (output_type image) emitted an output that is not images",
-        ),
-    ],
-)
-def test_a_failing_image_stage_is_a_one_line_runtime_error(tmp_path, capsys, options, says):
+def test_a_failing_image_stage_is_a_one_line_runtime_error(tmp_path, capsys):
     out_dir = tmp_path / "out"
-    assert main(["run", images_file(tmp_path, options), "a cat", "--output-dir", str(out_dir)]) == 1
+    config = images_file(tmp_path, ", scripted_fail_at_step: 2")
+    assert main(["run", config, "a cat", "--output-dir", str(out_dir)]) == 1
     line = one_line_error(capsys.readouterr().err)
-    assert "StageError" in line and says in line
+    assert "StageError" in line and "the denoise step 2 failed" in line
     assert not out_dir.exists()
+
+
+def test_a_stage_whose_images_are_not_images_is_named(tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    config = write(tmp_path, NOT_IMAGES_YAML, "not-images.yaml")
+    assert main(["run", config, "a cat", "--output-dir", str(out_dir)]) == 1
+    line = one_line_error(capsys.readouterr().err)
+    assert "StageError: stage 'image' (output_type image) emitted an output that is not" in line
+    assert "not str" in line and not out_dir.exists()
 
 
 async def test_run_prompts_cancelled_at_every_checkpoint_leaves_nothing(tmp_path):
@@ -204,11 +226,13 @@ async def test_run_prompts_cancelled_at_every_checkpoint_leaves_nothing(tmp_path
         report = await cancel_at_every_checkpoint(
             engine, scenario, settle_timeout=engine_seconds(60)
         )
+        described = await describe(engine)
     report.raise_if_failed()
     assert report.checkpoints > 5
+    assert (described["running"], described["waiting"]) == (0, 0)
 
 
-def test_a_diffusers_directory_is_a_config_argument(tmp_path):
+def test_a_diffusers_directory_is_a_config_argument(tmp_path, capsys):
     model = tmp_path / "sd"
     model.mkdir()
     with pytest.raises(ConfigError, match="a directory, but no diffusers pipeline"):
@@ -218,10 +242,12 @@ def test_a_diffusers_directory_is_a_config_argument(tmp_path):
     assert isinstance(source, dict) and source["name"] == "sd"
     assert source["stages"][0]["options"] == {"model": str(model.resolve())}
     assert config_source("tiny-image") == str(pipeline_path("tiny-image"))
+    assert main(["validate", str(model)]) == 0
+    assert "pipeline 'sd', 1 stages: image(diffusion)" in capsys.readouterr().out
 
 
 def test_model_dir_takes_a_diffusers_directory_for_a_diffusion_stage(tmp_path):
-    with pytest.raises(Exception, match="nor the model_index.json of a diffusers pipeline"):
+    with pytest.raises(UsageError, match="nor the model_index.json of a diffusers pipeline"):
         check_model_dir(str(tmp_path))
     (tmp_path / "model_index.json").write_text("{}")
     assert check_model_dir(str(tmp_path)) == str(tmp_path.resolve())
@@ -232,14 +258,7 @@ def test_model_dir_takes_a_diffusers_directory_for_a_diffusion_stage(tmp_path):
     assert model_overrides(raw, "/m/llm") == {"llm": {"engine_args": {"model": "/m/llm"}}}
 
 
-@needs_diffusion_backend
-def test_validate_a_diffusers_directory(tmp_path, capsys):
-    (tmp_path / "model_index.json").write_text("{}")
-    assert main(["validate", str(tmp_path)]) == 0
-    assert f"pipeline {tmp_path.name!r}, 1 stages: image(diffusion)" in capsys.readouterr().out
-
-
-@needs_diffusion_backend
+@needs_tiny_diffusion
 @pytest.mark.slow
 def test_run_tiny_image_writes_a_png(tmp_path, capsys):
     out_dir = tmp_path / "out"

@@ -1,6 +1,6 @@
 """``POST /v1/images/generations`` end to end: a real Hypercorn, the stock ``openai`` client and
-httpx, an image stage that emits the image stage contract (the model-free stand-in of
-tests/image_standin.py; the shipped ``tiny-image`` on the ``diffusion`` backend is marked)."""
+httpx, a ``diffusion`` stage on the scripted model (the shipped ``tiny-image`` on
+``tiny:diffusion`` is marked)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from omni_trio.server.protocol import MAX_IMAGES, RequestValidationError, parse_
 from omni_trio.testing import assert_nothing_in_flight, scripted_backends, scripted_pipeline
 
 from ..conftest import engine_seconds
-from ..image_standin import (
-    SIZE,
-    expected_images,
+from ..diffusion_helpers import (
+    describe,
     image_pipeline,
-    needs_diffusion_backend,
-    standins,
+    needs_tiny_diffusion,
+    not_images_pipeline,
+    scripted_images,
     text_to_image_pipeline,
 )
 from .conftest import admission_event, client_for, running_server, wait_until_idle
@@ -46,11 +46,13 @@ def decoded(b64: str | None) -> np.ndarray:
 async def test_the_openai_client_gets_b64_pngs_of_the_images():
     async with running_server(image_pipeline()) as (engine, base):
         oai = client(base)
-        resp = await oai.images.generate(model="images", prompt="a cat")
+        resp = await oai.images.generate(model="images", prompt="a cat", extra_body={"seed": 1})
         (only,) = resp.data
-        want = expected_images("a cat", step=4, height=SIZE[0], width=SIZE[1])[0]
-        assert np.array_equal(decoded(only.b64_json), want) and only.url is None
+        assert np.array_equal(decoded(only.b64_json), scripted_images("a cat", seed=1)[0])
+        assert only.url is None
         assert isinstance(resp.created, int) and resp.created > 0
+        resp = await oai.images.generate(model="images", prompt="a cat")  # no seed: any noise
+        assert decoded(resp.data[0].b64_json).shape == (32, 32, 3)
 
         extras = {"seed": 5, "num_inference_steps": 2, "guidance_scale": 3, "negative_prompt": "x"}
         resp = await oai.images.generate(
@@ -61,44 +63,37 @@ async def test_the_openai_client_gets_b64_pngs_of_the_images():
             response_format="b64_json",
             extra_body=extras,
         )
-        want = expected_images("a dog", seed=5, step=2, height=8, width=32, n=2)
-        assert [decoded(d.b64_json).tolist() for d in resp.data] == want.tolist()
         await oai.close()
-        (stage,) = standins(engine)
-        ((_, first), (_, second)) = stage.ran.values()
-        assert first == {"num_inference_steps": 4, "guidance_scale": 7.5}  # the defaults
-        assert second == {
-            "num_inference_steps": 2,
-            "guidance_scale": 3.0,
-            "num_images_per_prompt": 2,
-            "width": 32,
-            "height": 8,
-            "seed": 5,
-            "negative_prompt": "x",
-        }
-        assert engine.statistics().requests_finished == 2
+        asked = {"num_images_per_prompt": 2, "width": 32, "height": 8, **extras}
+        want = scripted_images("a dog", **asked)
+        assert [decoded(d.b64_json).tolist() for d in resp.data] == want.tolist()
+        # every extra counts: without the negative prompt the images differ
+        assert not np.array_equal(
+            want, scripted_images("a dog", **{**asked, "negative_prompt": None})
+        )
+        assert engine.statistics().requests_finished == 3
         assert_nothing_in_flight(engine)
 
 
 async def test_previews_are_not_the_answer():
     async with running_server(image_pipeline(preview_every=1)) as (engine, base):
         async with client_for(base) as http:
-            r = await http.post(URL, json={"prompt": "a cat", "n": 3})
+            r = await http.post(URL, json={"prompt": "a cat", "n": 3, "seed": 4})
         assert r.status_code == 200, r.text
         data = r.json()["data"]
-        want = expected_images("a cat", step=4, height=SIZE[0], width=SIZE[1], n=3)
+        want = scripted_images("a cat", seed=4, num_images_per_prompt=3)
         assert [decoded(d["b64_json"]).tolist() for d in data] == want.tolist()
 
 
 async def test_an_llm_to_image_pipeline_renders_the_users_prompt():
     async with running_server(text_to_image_pipeline("original")) as (engine, base):
         oai = client(base)
-        resp = await oai.images.generate(model="text-image", prompt="a cat")
+        resp = await oai.images.generate(model="text-image", prompt="a cat", extra_body={"seed": 2})
         await oai.close()
-        want = expected_images("a cat", step=4, height=SIZE[0], width=SIZE[1])[0]
+        want = scripted_images("a cat", seed=2)[0]
         assert np.array_equal(decoded(resp.data[0].b64_json), want)
         (llm,) = scripted_backends(engine, "llm")
-        assert llm.completed == [next(iter(standins(engine)[0].ran))]  # it ran before
+        assert len(llm.completed) == 1  # the LLM ran before the image stage
 
 
 async def test_the_models_card_lists_the_image_task():
@@ -159,9 +154,6 @@ async def test_bad_requests_are_400s_and_reach_no_stage():
             await oai.images.generate(model="images", prompt="x", response_format="url")
         await oai.close()
         assert engine.statistics().requests_total == 0
-        # what only the model knows (its sizes are multiples of 8) is a 400 from the stage
-        r = await http.post(URL, json={"prompt": "x", "size": "12x12"})
-        assert r.status_code == 400 and "multiples of 8" in r.json()["error"]["message"]
         assert_nothing_in_flight(engine)
 
 
@@ -179,14 +171,14 @@ async def test_a_pipeline_without_an_image_stage_says_so():
 
 
 @pytest.mark.parametrize(
-    ("options", "says"),
+    ("config", "says"),
     [
-        ({"fail_at_step": 3}, "failed at step 3"),
-        ({"bad_data": "oops"}, "stage 'image' (output_type image) emitted an output that is not"),
+        (image_pipeline(scripted_fail_at_step=3), "the denoise step 3 failed"),
+        (not_images_pipeline(), "stage 'image' (output_type image) emitted an output that is not"),
     ],
 )
-async def test_a_failing_image_stage_is_a_500_naming_it(options, says):
-    async with running_server(image_pipeline(**options)) as (engine, base):
+async def test_a_failing_image_stage_is_a_500_naming_it(config, says):
+    async with running_server(config) as (engine, base):
         async with client_for(base) as http:
             r = await http.post(URL, json={"prompt": "a cat"})
             assert r.status_code == 500
@@ -197,7 +189,7 @@ async def test_a_failing_image_stage_is_a_500_naming_it(options, says):
 
 
 async def test_a_client_that_gives_up_aborts_the_image_request():
-    async with running_server(image_pipeline(step_s=3600)) as (engine, base):
+    async with running_server(image_pipeline(scripted_step_s=3600)) as (engine, base):
         admitted = admission_event(engine)
         async with client_for(base) as http, trio.open_nursery() as nursery:
             nursery.start_soon(lambda: http.post(URL, json={"prompt": "a cat"}))
@@ -206,11 +198,12 @@ async def test_a_client_that_gives_up_aborts_the_image_request():
         await wait_until_idle(engine)
         stats = engine.statistics()
         assert stats.requests_aborted == 1 and stats.requests_finished == 0
-        assert not standins(engine)[0].completed
+        described = await describe(engine)
+        assert (described["running"], described["waiting"], described["images"]) == (0, 0, 0)
         assert_nothing_in_flight(engine)
 
 
-@needs_diffusion_backend
+@needs_tiny_diffusion
 @pytest.mark.slow
 async def test_tiny_image_answers_with_pngs():
     async with running_server(str(pipeline_path("tiny-image"))) as (engine, base):
