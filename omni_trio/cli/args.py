@@ -122,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="serve a pipeline over an OpenAI-compatible HTTP API",
         description="Serve a pipeline: /v1/chat/completions, /v1/completions, "
-        "/v1/audio/speech, /v1/models, /health, /metrics. SIGINT/SIGTERM stop accepting, "
-        "let in-flight requests finish for --grace-period seconds, abort the rest, exit 0.",
+        "/v1/audio/speech, /v1/images/generations, /v1/models, /health, /metrics. "
+        "SIGINT/SIGTERM stop accepting, let in-flight requests finish for --grace-period "
+        "seconds, abort the rest, exit 0.",
     )
     serve.add_argument("config", metavar="CONFIG", help=CONFIG_HELP)
     serve.add_argument(
