@@ -8,7 +8,8 @@ This namespace is the public API users import (see ``__all__``). The package is 
   request carries besides its input; ``_values``: cheaper construction of the frozen values
   made per output;
 - ``observer``: engine events for metrics and tracing; ``audio``: WAV encoding of audio
-  outputs; ``heap``: the start-up heap left out of full garbage collections;
+  outputs; ``images``: PNG encoding of image outputs; ``heap``: the start-up heap left out
+  of full garbage collections;
 
 then ``config/``, ``transport/``, ``stages/``, ``backends/``, ``request/``, ``engine/``,
 ``server/``, ``testing/``, ``sync`` (the blocking facade) and ``cli/`` (``__main__`` runs

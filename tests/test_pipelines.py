@@ -1,5 +1,6 @@
 """The pipelines shipped inside the package: they load, and the scripted twin runs end to end
-(scripted thinker and talker, the real tiny torch vocoder)."""
+(scripted thinker and talker, the real tiny torch vocoder); the image pipelines' shape, and the
+one-stage pipeline of a diffusers directory."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import trio
 
 import omni_trio
 from omni_trio.config import load_config
+from omni_trio.config.reading import read_config_file
 from omni_trio.errors import ConfigError
 from omni_trio.pipelines import default_pipeline_path, pipeline_path
+from omni_trio.pipelines.diffusers_dir import diffusion_pipeline, is_diffusers_dir
 
 
 @pytest.mark.parametrize("name", ["tiny-omni", "tiny-omni-scripted"])
@@ -95,3 +98,68 @@ async def test_scripted_twin_streams_audio(tmp_path: Path) -> None:
     assert all(a.dtype == np.float32 for a in audio)
     assert rate == [16_000]
     assert stats.requests_in_flight == 0 and stats.stage_requests_in_flight == 0
+
+
+# -- image pipelines ---------------------------------------------------------------------------
+
+
+def test_tiny_image_is_one_diffusion_stage_stepped_with_default_sampling():
+    raw = read_config_file(pipeline_path("tiny-image"))
+    assert raw["name"] == "tiny-image"
+    (stage,) = raw["stages"]
+    assert stage["backend"] == "diffusion" and stage["output_type"] == "image"
+    assert stage["final_output"] is True
+    assert stage["options"] == {"model": "tiny:diffusion", "execution": "step"}
+    assert stage["default_sampling_params"] == {"num_inference_steps": 20, "guidance_scale": 7.5}
+
+
+def test_tiny_llm_image_renders_the_llms_text():
+    raw = read_config_file(pipeline_path("tiny-llm-image"))
+    llm, image = raw["stages"]
+    assert llm["backend"] == "vllm" and llm["engine_args"]["model"] == "tiny:thinker"
+    assert image["inputs"] == ["llm"] and image["backend"] == "diffusion"
+    assert image["input_processor"] == "omni_trio.models.diffusion.handoff:image_prompt"
+    assert image["processor_options"] == {"prompt_source": "llm"}
+    assert image["options"]["model"] == "tiny:diffusion"
+
+
+@pytest.mark.parametrize("name", ["tiny-image", "tiny-llm-image"])
+def test_image_pipelines_load(name: str) -> None:
+    cfg = load_config(pipeline_path(name))
+    assert cfg.stage("image").output_type == "image"
+    assert "image" in cfg.final_output_stages
+
+
+def test_a_diffusers_directory_is_a_one_stage_diffusion_pipeline(tmp_path: Path) -> None:
+    model = tmp_path / "sd-tiny"
+    model.mkdir()
+    assert not is_diffusers_dir(model)
+    (model / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    assert is_diffusers_dir(model) and is_diffusers_dir(str(model))
+    assert not is_diffusers_dir(model / "model_index.json")  # a file, not a directory
+    assert not is_diffusers_dir(tmp_path / "missing")
+    config = diffusion_pipeline(str(model))
+    assert config == {
+        "name": "sd-tiny",
+        "stages": [
+            {
+                "id": "image",
+                "backend": "diffusion",
+                "options": {"model": str(model)},
+                "output_type": "image",
+                "final_output": True,
+                "default_sampling_params": {"num_inference_steps": 20, "guidance_scale": 7.5},
+            }
+        ],
+    }
+    assert diffusion_pipeline("/models/sd/", name="served")["name"] == "served"
+    assert diffusion_pipeline("/models/sd/")["name"] == "sd"
+    # each call is its own: changing one config changes no other
+    config["stages"][0]["default_sampling_params"]["seed"] = 1
+    assert "seed" not in diffusion_pipeline(str(model))["stages"][0]["default_sampling_params"]
+
+
+def test_a_diffusers_directorys_pipeline_loads(tmp_path: Path) -> None:
+    (tmp_path / "model_index.json").write_text("{}")
+    cfg = load_config(diffusion_pipeline(str(tmp_path)))
+    assert cfg.stage_ids == ["image"] and cfg.stage("image").options["model"] == str(tmp_path)

@@ -2,23 +2,33 @@
 
 :func:`build_parser` declares every command and flag (``--help`` and ``docs`` come from it);
 :class:`UsageError` is a command-line problem found after parsing (exit code 2, like the
-parser's own); :func:`load_config_arg` turns a CONFIG argument (a pipeline file or a shipped
-pipeline's name) into a loaded config. What each command does is in
-:mod:`omni_trio.cli.commands` and :mod:`omni_trio.cli.serve`; :mod:`omni_trio.cli.main` runs them.
+parser's own); :func:`load_config_arg` turns a CONFIG argument (a pipeline file, a shipped
+pipeline's name or a diffusers pipeline directory) into a loaded config. What each command
+does is in :mod:`omni_trio.cli.commands` and :mod:`omni_trio.cli.serve`;
+:mod:`omni_trio.cli.main` runs them.
 """
 
 from __future__ import annotations
 
 import argparse
+from argparse import Namespace
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .. import __version__
-from .runner import resolve_config_arg
+from .runner import config_source
 
 if TYPE_CHECKING:
     from ..config.pipeline import PipelineConfig
 
-__all__ = ["UsageError", "build_parser", "load_config_arg"]
+__all__ = ["CONFIG_HELP", "UsageError", "build_parser", "load_config_arg", "parse_command_line"]
+
+
+#: what a CONFIG argument may be
+CONFIG_HELP = (
+    "a pipeline file, a shipped pipeline's name, or a diffusers pipeline directory "
+    "(model_index.json: a one-stage diffusion pipeline)"
+)
 
 
 class UsageError(Exception):
@@ -73,14 +83,32 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         parents=[common],
-        help="run a pipeline on prompts: text to stdout, audio to WAVs",
-        description="Run any pipeline on one or more prompts. Text streams to stdout; audio "
-        "outputs are written as WAV files in --output-dir.",
+        help="run a pipeline on prompts: text to stdout, audio to WAVs, images to PNGs",
+        description="Run any pipeline on one or more prompts (PROMPT arguments, then each "
+        "--prompt). Text streams to stdout; audio outputs are written as WAV files and "
+        "images as PNG files (one per image) in --output-dir.",
     )
-    run.add_argument("config", metavar="CONFIG", help="pipeline file or shipped pipeline name")
-    run.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
-    run.add_argument("--output-dir", default="omni-output", help="where WAVs go (./omni-output)")
+    run.add_argument("config", metavar="CONFIG", help=CONFIG_HELP)
+    run.add_argument("prompts", metavar="PROMPT", nargs="*", help="a prompt (any number)")
+    run.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    run.add_argument(
+        "--output-dir", default="omni-output", help="where WAVs and PNGs go (./omni-output)"
+    )
     run.add_argument("--max-tokens", type=int, default=None, help="max tokens of the text stage")
+    images = run.add_argument_group("image stages (output_type: image)")
+    images.add_argument("--size", metavar="WxH", default=None, help="width x height in pixels")
+    images.add_argument("--steps", type=int, default=None, help="denoise steps")
+    images.add_argument("--guidance-scale", type=float, default=None, help="CFG scale")
+    images.add_argument("--negative-prompt", default=None, help="what the image should not show")
+    images.add_argument(
+        "--seed", type=int, default=None, help="the noise seed (same seed, same image)"
+    )
+    images.add_argument("--num-images", type=int, default=None, help="images per prompt (1)")
+    images.add_argument(
+        "--previews",
+        action="store_true",
+        help="also write the stage's intermediate previews (prompt-N-stepK.png)",
+    )
     run.add_argument(
         "--model",
         metavar="DIR",
@@ -94,11 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="serve a pipeline over an OpenAI-compatible HTTP API",
         description="Serve a pipeline: /v1/chat/completions, /v1/completions, "
-        "/v1/audio/speech, /v1/models, /health, /metrics, and WS /v1/realtime (live "
-        "sessions). SIGINT/SIGTERM stop accepting, "
-        "let in-flight requests finish for --grace-period seconds, abort the rest, exit 0.",
+        "/v1/audio/speech, /v1/images/generations, /v1/models, /health, /metrics, and WS "
+        "/v1/realtime (live sessions). SIGINT/SIGTERM stop accepting, let in-flight requests "
+        "finish for --grace-period seconds, abort the rest, exit 0.",
     )
-    serve.add_argument("config", metavar="CONFIG", help="pipeline file or shipped pipeline name")
+    serve.add_argument("config", metavar="CONFIG", help=CONFIG_HELP)
     serve.add_argument(
         "--model",
         metavar="DIR",
@@ -155,9 +183,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Namespace:
+    """``parser.parse_args(argv)``, except that ``run``'s PROMPT arguments may also come after
+    its flags (``omni-trio run tiny-image --seed 3 "a cat"``: argparse alone takes positionals
+    only before the first flag). Pure but for what argparse does on an error: it prints the
+    usage and raises SystemExit(2)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "run" and not any(e.startswith("-") for e in extra):
+        args.prompts = [*args.prompts, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def load_config_arg(arg: str) -> PipelineConfig:
-    """The config a CONFIG argument names, loaded and checked. Blocking (reads the file,
-    imports what it names). Raises ConfigError naming the file, or what was looked for."""
+    """The config a CONFIG argument names (a file, a shipped pipeline, a diffusers pipeline
+    directory: :func:`~omni_trio.cli.runner.config_source`), loaded and checked. Blocking
+    (reads the file, imports what it names). Raises ConfigError naming the file, or what
+    was looked for."""
     from ..config.loading import load_config
 
-    return load_config(resolve_config_arg(arg))
+    return load_config(config_source(arg))

@@ -1,12 +1,13 @@
 """The one-shot ``omni-trio`` commands: ``demo``, ``run``, ``validate``, ``schema``, ``bench``.
 
 ``demo`` and ``run`` start an engine, stream each prompt's text to stdout and write audio
-outputs as WAV files (:mod:`omni_trio.cli.runner`); ``validate`` and ``schema`` start nothing;
-``bench`` runs the benchmark scripts of an omni-trio checkout as subprocesses (they are not
-part of the installed package: :func:`find_benchmarks`). Each ``cmd_*`` takes the parsed
-arguments and returns the exit code, or raises: :class:`~omni_trio.cli.args.UsageError`
-(exit 2), :class:`RuntimeFailure` (exit 1), or what the engine raised (see
-:func:`omni_trio.cli.main.main`). ``serve`` is in :mod:`omni_trio.cli.serve`.
+outputs as WAV files, images as PNG files (:mod:`omni_trio.cli.runner`); ``validate`` and
+``schema`` start nothing; ``bench`` runs the benchmark scripts of an omni-trio checkout as
+subprocesses (they are not part of the installed package: :func:`find_benchmarks`). Each
+``cmd_*`` takes the parsed arguments and returns the exit code, or raises:
+:class:`~omni_trio.cli.args.UsageError` (exit 2), :class:`RuntimeFailure` (exit 1), or what
+the engine raised (see :func:`omni_trio.cli.main.main`). ``serve`` is in
+:mod:`omni_trio.cli.serve`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
+from ..config.stageinfo import image_stage
+from ..images import parse_size
 from ..pipelines import default_pipeline_path
 from .args import UsageError, load_config_arg
 from .model_dir import load_config_with_model
@@ -51,6 +54,7 @@ __all__ = [
     "cmd_schema",
     "cmd_validate",
     "find_benchmarks",
+    "image_params",
 ]
 
 T = TypeVar("T")
@@ -93,7 +97,13 @@ async def _run_pipeline(
             print(format_init_table(engine), flush=True)
         with frozen_heap():  # this process is ours: its startup heap out of full collections
             written = await run_prompts(
-                engine, prompts, Path(args.output_dir), args.max_tokens, timer
+                engine,
+                prompts,
+                Path(args.output_dir),
+                args.max_tokens,
+                timer,
+                image_params=image_params(args) if args.command == "run" else None,
+                previews=getattr(args, "previews", False),
             )
         print(format_stage_times(timer), flush=True)
         if args.log_stats:
@@ -154,13 +164,50 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def image_params(args: argparse.Namespace) -> dict[str, object]:
+    """The image stage's sampling params ``run``'s image flags ask for (diffusers' names;
+    none given: empty). Pure. Raises UsageError naming a bad flag."""
+    params: dict[str, object] = {}
+    if args.size is not None:
+        try:
+            params["width"], params["height"] = parse_size(args.size)
+        except ValueError as exc:
+            raise UsageError(f"--size: {exc}") from None
+    for flag, key, low in (
+        ("steps", "num_inference_steps", 1),
+        ("num_images", "num_images_per_prompt", 1),
+        ("seed", "seed", 0),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            if value < low:
+                raise UsageError(f"--{flag.replace('_', '-')} must be >= {low}, got {value}")
+            params[key] = value
+    if args.guidance_scale is not None:
+        if not args.guidance_scale >= 0:
+            raise UsageError(f"--guidance-scale must be >= 0, got {args.guidance_scale}")
+        params["guidance_scale"] = args.guidance_scale
+    if args.negative_prompt is not None:
+        params["negative_prompt"] = args.negative_prompt
+    return params
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     _max_tokens(args.max_tokens)
+    images = image_params(args)
+    prompts = [*args.prompts, *args.prompt]
+    if not prompts:
+        raise UsageError("give a prompt: omni-trio run CONFIG PROMPT (or --prompt PROMPT)")
+    if any(not p for p in prompts):
+        raise UsageError("a prompt must not be empty")
     config = load_config_with_model(args.config, args.model)
-    if any(not p for p in args.prompt):
-        raise UsageError("--prompt must not be empty")
-    summary = trio.run(_until_sigint, partial(_run_pipeline, args, config, args.prompt))
+    if args.max_tokens is not None and all(st.output_type != "text" for st in config.stages):
+        raise UsageError(f"--max-tokens: pipeline {config.name!r} has no text stage")
+    if (images or args.previews) and image_stage(config) is None:
+        flags = "--previews" if not images else "the image flags"
+        raise UsageError(f"{flags}: pipeline {config.name!r} has no image stage")
+    summary = trio.run(_until_sigint, partial(_run_pipeline, args, config, prompts))
     print(summary.line("run", time.perf_counter() - t0), flush=True)
     return 0
 

@@ -29,6 +29,7 @@ from ..errors import ConfigError, InvalidRequestError
 # outside __all__ (mypy --strict does not re-export a plain import)
 from .args import UsageError as UsageError
 from .args import build_parser as build_parser
+from .args import parse_command_line
 from .commands import DEMO_PROMPTS as DEMO_PROMPTS
 from .commands import RANDOM_WEIGHTS_NOTE as RANDOM_WEIGHTS_NOTE
 from .commands import RuntimeFailure as RuntimeFailure
@@ -65,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``omni-trio`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parse_command_line(parser, argv)
     except SystemExit as exc:  # --help (0) or a usage error (2, already printed)
         return int(exc.code or 0)
     logging.basicConfig(

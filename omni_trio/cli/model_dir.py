@@ -2,7 +2,8 @@
 checkpoint directory.
 
 A pipeline's model is the model reference of its first stage that names one: a ``vllm``
-stage's ``engine_args.model``, a ``talker`` or ``torch`` stage's ``options.model``. Every
+stage's ``engine_args.model``, a ``talker``, ``torch`` or ``diffusion`` stage's
+``options.model``. Every
 stage naming that same reference (``qwen3-omni``: the thinker, the talker and code2wav all
 load ``tiny:qwen3-omni``) is pointed at DIR instead, a ``vllm`` stage's
 ``engine_args.tokenizer`` too when it names the reference; stages naming another model, and
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .args import UsageError, load_config_arg
-from .runner import resolve_config_arg
+from .runner import config_source
 
 if TYPE_CHECKING:
     from ..config.pipeline import PipelineConfig
@@ -36,7 +37,10 @@ MODEL_KEYS: dict[str, tuple[str, str]] = {
     "vllm": ("engine_args", "model"),
     "talker": ("options", "model"),
     "torch": ("options", "model"),
+    "diffusion": ("options", "model"),
 }
+#: what makes a directory a model: a checkpoint's config, a diffusers pipeline's index
+MODEL_FILES = ("config.json", "model_index.json")
 
 
 def _model_of(stage: object) -> str | None:
@@ -65,7 +69,8 @@ def pipeline_model(config: Mapping[str, object]) -> str:
     name = config.get("name", "the pipeline")
     raise UsageError(
         f"--model: pipeline {name!r} has no stage naming a model (engine_args.model of a "
-        "vllm stage, options.model of a talker or torch stage): nothing to point at DIR"
+        "vllm stage, options.model of a talker, torch or diffusion stage): nothing to point "
+        "at DIR"
     )
 
 
@@ -91,16 +96,18 @@ def model_overrides(config: Mapping[str, object], model_dir: str) -> dict[str, o
 
 def check_model_dir(path: str) -> str:
     """``path`` as an absolute directory path, once it is a model checkpoint directory (a
-    directory with a ``config.json``). Reads the file system. Raises UsageError naming the
+    directory with a ``config.json``, or a diffusers pipeline's ``model_index.json``).
+    Reads the file system. Raises UsageError naming the
     path and what is missing."""
     p = Path(path).expanduser()
     if not p.exists():
         raise UsageError(f"--model {path}: no such directory")
     if not p.is_dir():
         raise UsageError(f"--model {path}: not a directory (a checkpoint directory is)")
-    if not (p / "config.json").is_file():
+    if not any((p / name).is_file() for name in MODEL_FILES):
         raise UsageError(
-            f"--model {path}: not a model checkpoint directory (it has no config.json)"
+            f"--model {path}: not a model checkpoint directory (it has no config.json, nor "
+            "the model_index.json of a diffusers pipeline)"
         )
     return str(p.resolve())
 
@@ -117,8 +124,8 @@ def load_config_with_model(arg: str, model: str | None) -> PipelineConfig:
     if model is None:
         return load_config_arg(arg)
     model_dir = check_model_dir(model)
-    path = resolve_config_arg(arg)
-    raw = read_config_file(Path(path))
+    source = config_source(arg)
+    raw = source if isinstance(source, Mapping) else read_config_file(Path(source))
     if not isinstance(raw, Mapping):
-        return load_config(path)  # not a mapping: load_config says so, naming the file
-    return load_config(path, stage_overrides=model_overrides(raw, model_dir))
+        return load_config(source)  # not a mapping: load_config says so, naming the file
+    return load_config(source, stage_overrides=model_overrides(raw, model_dir))

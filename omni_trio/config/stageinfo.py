@@ -27,6 +27,7 @@ __all__ = [
     "StageInfo",
     "SupportedTask",
     "audio_stage",
+    "image_stage",
     "modality_stages",
     "produced_modalities",
     "stage_infos",
@@ -37,8 +38,9 @@ __all__ = [
 #: the output modalities a request may ask for: every stage ``output_type``
 OUTPUT_MODALITIES: tuple[str, ...] = OUTPUT_TYPES
 
-#: what a pipeline can serve: ``generate`` (text out), ``speech`` (audio out)
-SupportedTask = Literal["generate", "speech"]
+#: what a pipeline can serve: ``generate`` (text out), ``speech`` (audio out), ``image``
+#: (images out)
+SupportedTask = Literal["generate", "speech", "image"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,18 +82,22 @@ def stage_infos(
 
 def supported_tasks(stages: Sequence[StageInfo]) -> tuple[SupportedTask, ...]:
     """The tasks a pipeline serves: ``generate`` when a stage produces text (``output_type:
-    text``; ``tokens`` stages do not count), ``speech`` when an audio stage can be final.
+    text``; ``tokens`` stages do not count), ``speech`` when an audio stage can be final,
+    ``image`` when an image stage can be.
 
     Every stage *can* be a request's final stage (``final_stage_id``, ``output_stages`` or
     ``output_modalities`` select any of them, ``final_output`` only sets the default), so
     ``speech`` means: the pipeline has an audio stage, whether or not it is marked
-    ``final_output``. This is also when the server's ``/v1/audio/speech`` answers."""
+    ``final_output``. This is also when the server's ``/v1/audio/speech`` answers (and, for
+    ``image``, ``/v1/images/generations``)."""
     types = {st.output_type for st in stages}
     tasks: list[SupportedTask] = []
     if "text" in types:
         tasks.append("generate")
     if "audio" in types:
         tasks.append("speech")
+    if "image" in types:
+        tasks.append("image")
     return tuple(tasks)
 
 
@@ -167,7 +173,17 @@ def text_stage(cfg: PipelineConfig) -> str:
     return cfg.entry_stages[0]
 
 
+def _last_of_type(cfg: PipelineConfig, output_type: OutputType) -> str | None:
+    found = [st.id for st in cfg.stages if st.output_type == output_type]
+    return found[-1] if found else None
+
+
 def audio_stage(cfg: PipelineConfig) -> str | None:
     """The stage whose outputs are the pipeline's audio (the last audio stage), or None."""
-    audio = [st.id for st in cfg.stages if st.output_type == "audio"]
-    return audio[-1] if audio else None
+    return _last_of_type(cfg, "audio")
+
+
+def image_stage(cfg: PipelineConfig) -> str | None:
+    """The stage whose outputs are the pipeline's images (the last image stage), or None.
+    Pure."""
+    return _last_of_type(cfg, "image")

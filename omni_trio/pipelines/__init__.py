@@ -3,7 +3,12 @@
 ``tiny-omni`` is the default: a tiny thinker LLM and talker LLM on real vLLM engines, then the
 tiny torch vocoder, all built locally on first use. ``tiny-omni-scripted`` has the same graph
 with scripted (model-free) thinker and talker stages, for fast tests and demos without vLLM.
-Pass a path from here to ``omni_trio.open_engine`` or ``load_config``.
+``qwen3-omni`` and ``qwen2.5-omni`` are the Qwen-Omni families' stages. ``tiny-image`` is one
+diffusion stage (text to image), ``tiny-llm-image`` an LLM stage whose text a diffusion stage
+renders. Pass a path from here to ``omni_trio.open_engine`` or ``load_config``.
+
+:mod:`~omni_trio.pipelines.diffusers_dir` makes the one-stage pipeline of a diffusers
+pipeline directory (``omni-trio serve DIR``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,14 @@ from ..errors import ConfigError
 __all__ = ["DEFAULT_PIPELINE", "PIPELINES", "default_pipeline_path", "pipeline_path"]
 
 #: names of the shipped pipeline configs (``<name>.yaml`` in this package)
-PIPELINES: tuple[str, ...] = ("tiny-omni", "tiny-omni-scripted", "qwen3-omni", "qwen2.5-omni")
+PIPELINES: tuple[str, ...] = (
+    "tiny-omni",
+    "tiny-omni-scripted",
+    "qwen3-omni",
+    "qwen2.5-omni",
+    "tiny-image",
+    "tiny-llm-image",
+)
 DEFAULT_PIPELINE = "tiny-omni"
 
 

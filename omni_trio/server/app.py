@@ -7,18 +7,20 @@ inside the response (:mod:`.responses`), so a client that disconnects cancels it
 task, and with it the request in every stage. :mod:`.serve` runs the app.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/audio/speech``,
-``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``WS /v1/realtime`` (live sessions,
-:mod:`.realtime`). A chat asking for ``"audio"`` in its ``modalities`` is answered by
-:mod:`.chat_audio`.
+``POST /v1/images/generations`` (b64 PNGs), ``GET /v1/models``, ``GET /health``,
+``GET /metrics``, ``WS /v1/realtime`` (live sessions, :mod:`.realtime`). A chat asking for
+``"audio"`` in its ``modalities`` is answered by :mod:`.chat_audio`.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -27,8 +29,9 @@ from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
 from ..audio import concat_audio, sample_rate_of, wav_bytes
-from ..config.stageinfo import audio_stage, text_stage
+from ..config.stageinfo import audio_stage, image_stage, text_stage
 from ..engine.health import HealthReport, assess_health
+from ..images import is_preview, output_images, png_bytes
 from ..outputs import EngineStatistics
 from .bodies import (
     chat_chunk,
@@ -51,6 +54,7 @@ from .protocol import (
     decode_json,
     parse_chat,
     parse_completion,
+    parse_images,
     parse_speech,
 )
 from .realtime import RealtimeEndpoint, RealtimeLimits
@@ -144,6 +148,7 @@ class _Handlers:
         self.lifecycle = lifecycle
         self.text_stage = text_stage(engine.config)
         self.audio_stage = audio_stage(engine.config)
+        self.image_stage = image_stage(engine.config)
         self.chat_model = ChatModel(engine, self.text_stage)
         self.audio_chat = AudioChat(
             engine, model, self.text_stage, self.audio_stage, self.chat_model
@@ -300,6 +305,29 @@ class _Handlers:
             chunk["usage"] = usage(prompt_tokens, n_tokens)
             yield chunk
 
+    def _ending_at(
+        self, stage: str, prompt: str, rid: str, sampling: dict[str, Any]
+    ) -> RequestStream:
+        # a request answered by ``stage`` alone: the stages after it never run
+        return self.engine.generate(
+            prompt,
+            request_id=rid,
+            sampling_params=sampling,
+            final_stage_id=stage,
+            output_stages=[stage],
+        )
+
+    def _no_stage_of(self, output_type: str) -> Response:
+        # a 400 naming the model: what the endpoint answers in, the pipeline does not make
+        status, body = error_for(
+            RequestValidationError(
+                f"the pipeline {self.model!r} has no {output_type} output stage "
+                f"(no stage with output_type: {output_type})",
+                param="model",
+            )
+        )
+        return json_response(body, status)
+
     async def speech(self, request: Request) -> Any:
         got = await self._guard(request, parse_speech)
         if isinstance(got, Response):
@@ -307,14 +335,7 @@ class _Handlers:
         req, rid = got
         stage = self.audio_stage
         if stage is None:
-            status, body = error_for(
-                RequestValidationError(
-                    f"the pipeline {self.model!r} has no audio output stage "
-                    "(no stage with output_type: audio)",
-                    param="model",
-                )
-            )
-            return json_response(body, status)
+            return self._no_stage_of("audio")
         options = self.engine.config.stage(stage).options
 
         async def compute() -> Computed:
@@ -323,13 +344,7 @@ class _Handlers:
             sampling = {self.text_stage: req.sampling, **voices}
             # the input as the user's turn: a Qwen-Omni talker speaks an assistant turn
             prompt = await self.chat_model.prompt([("user", req.input)], req.input)
-            async with self.engine.generate(
-                prompt,
-                request_id=f"speech-{rid}",
-                sampling_params=sampling,
-                final_stage_id=stage,
-                output_stages=[stage],
-            ) as stream:
+            async with self._ending_at(stage, prompt, f"speech-{rid}", sampling) as stream:
                 async for out in stream:
                     chunks.append(out.data)
                     if rate is None and out.metrics and "sample_rate" in out.metrics:
@@ -339,6 +354,31 @@ class _Handlers:
             return 200, wav, headers
 
         return EngineJSONResponse(compute, raw=True, lifecycle=self.lifecycle)
+
+    async def images(self, request: Request) -> Any:
+        got = await self._guard(request, parse_images)
+        if isinstance(got, Response):
+            return got
+        req, rid = got
+        stage = self.image_stage
+        if stage is None:
+            return self._no_stage_of("image")
+
+        async def compute() -> Computed:
+            images = []
+            sampling = {stage: req.sampling}
+            async with self._ending_at(stage, req.prompt, f"img-{rid}", sampling) as stream:
+                async for out in stream:
+                    if not is_preview(out.metrics):
+                        images.extend(output_images(out))
+            # PNG encoding is CPU work: off the event loop, which serves other requests
+            data = [
+                {"b64_json": base64.b64encode(png).decode("ascii")}
+                for png in [await trio.to_thread.run_sync(png_bytes, image) for image in images]
+            ]
+            return 200, {"created": now(), "data": data}, None
+
+        return EngineJSONResponse(compute, lifecycle=self.lifecycle)
 
     async def models(self, request: Request) -> Response:
         return json_response({"object": "list", "data": [model_card(self.model, self.engine)]})
@@ -400,6 +440,7 @@ def create_app(
         Route("/v1/chat/completions", h.chat, methods=["POST"]),
         Route("/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/audio/speech", h.speech, methods=["POST"]),
+        Route("/v1/images/generations", h.images, methods=["POST"]),
         Route("/v1/models", h.models, methods=["GET"]),
         Route("/health", h.health, methods=["GET"]),
         Route("/metrics", h.prometheus, methods=["GET"]),

@@ -16,12 +16,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidRequestError
+from ..images import parse_size
 
 __all__ = [
     "AUDIO_FORMATS",
     "CHAT_MODALITIES",
     "ChatRequest",
     "CompletionRequest",
+    "IMAGE_FORMATS",
+    "MAX_IMAGES",
+    "ImageGenerationRequest",
     "RequestValidationError",
     "RequestTooLargeError",
     "SpeechRequest",
@@ -29,6 +33,7 @@ __all__ = [
     "decode_json",
     "parse_chat",
     "parse_completion",
+    "parse_images",
     "parse_speech",
 ]
 
@@ -406,3 +411,105 @@ def parse_speech(body: Any, model: str) -> SpeechRequest:
             f"response_format {fmt!r} is not supported; only 'wav'", param="response_format"
         )
     return SpeechRequest(model, text, voice, _sampling(body))
+
+
+#: the ``response_format`` values of ``/v1/images/generations`` this server answers
+IMAGE_FORMATS = ("b64_json",)
+#: most images one request may ask for (``n``; OpenAI's own limit)
+MAX_IMAGES = 10
+
+
+@dataclass(frozen=True, slots=True)
+class ImageGenerationRequest:
+    """A validated ``/v1/images/generations`` request. ``sampling``: the image stage's
+    sampling params (diffusers' names: ``num_images_per_prompt`` from ``n``, ``width`` and
+    ``height`` from ``size``, and the extras ``seed``, ``num_inference_steps``,
+    ``guidance_scale``, ``negative_prompt``), only those the client sent."""
+
+    model: str
+    prompt: str
+    n: int
+    sampling: dict[str, Any]
+
+
+def _image_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    n = body.get("n")
+    if n is not None:
+        if not _is_int(n) or not 1 <= n <= MAX_IMAGES:
+            raise RequestValidationError(
+                f"n must be an integer from 1 to {MAX_IMAGES}, got {n!r}", param="n"
+            )
+        out["num_images_per_prompt"] = n
+    size = body.get("size")
+    if size is not None and size != "auto":
+        if not isinstance(size, str):
+            raise RequestValidationError(
+                f"size must be a string WIDTHxHEIGHT, got {type(size).__name__}", param="size"
+            )
+        try:
+            out["width"], out["height"] = parse_size(size)
+        except ValueError as exc:
+            raise RequestValidationError(f"size: {exc}", param="size") from None
+    for key, low in (("num_inference_steps", 1), ("seed", 0)):
+        v = body.get(key)
+        if v is None:
+            continue
+        if not _is_int(v) or v < low:
+            raise RequestValidationError(f"{key} must be an integer >= {low}, got {v!r}", param=key)
+        out[key] = v
+    guidance = body.get("guidance_scale")
+    if guidance is not None:
+        if not _is_number(guidance) or not guidance >= 0:
+            raise RequestValidationError(
+                f"guidance_scale must be a number >= 0, got {guidance!r}", param="guidance_scale"
+            )
+        out["guidance_scale"] = float(guidance)
+    negative = body.get("negative_prompt")
+    if negative is not None:
+        if not isinstance(negative, str):
+            raise RequestValidationError(
+                f"negative_prompt must be a string, got {type(negative).__name__}",
+                param="negative_prompt",
+            )
+        out["negative_prompt"] = negative
+    return out
+
+
+def parse_images(body: Any, model: str) -> ImageGenerationRequest:
+    """Validate a ``/v1/images/generations`` body: ``prompt`` (a non-empty string), ``n``
+    (1 to :data:`MAX_IMAGES`), ``size`` (``"WIDTHxHEIGHT"`` or ``"auto"``: the model's
+    default), ``response_format`` (only ``b64_json``: this server keeps no files to link to)
+    and the extras ``seed``, ``num_inference_steps``, ``guidance_scale``,
+    ``negative_prompt``. Other OpenAI fields (``quality``, ``style``, ``user``) are ignored.
+    Raises RequestValidationError naming the field."""
+    model, stream, _ = _common(body, model)
+    if stream:
+        raise RequestValidationError(
+            "stream is not supported for images: the answer is the finished images",
+            param="stream",
+        )
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestValidationError("prompt must be a non-empty string", param="prompt")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt not in IMAGE_FORMATS:
+        reason = (
+            "this server answers with the images themselves and keeps no files to link to"
+            if fmt == "url"
+            else "it is not one of OpenAI's formats"
+        )
+        raise RequestValidationError(
+            f"response_format {fmt!r} is not supported ({reason}); use 'b64_json'",
+            param="response_format",
+        )
+    output_format = body.get("output_format")
+    if output_format is not None and output_format != "png":
+        raise RequestValidationError(
+            f"output_format {output_format!r} is not supported; this server encodes 'png'",
+            param="output_format",
+        )
+    sampling = _image_sampling(body)
+    return ImageGenerationRequest(
+        model, prompt, int(sampling.get("num_images_per_prompt", 1)), sampling
+    )

@@ -9,7 +9,12 @@ import pytest
 
 import omni_trio
 from omni_trio import InvalidRequestError, StageInfo, load_config
-from omni_trio.config.stageinfo import modality_stages, stage_infos, supported_tasks
+from omni_trio.config.stageinfo import (
+    image_stage,
+    modality_stages,
+    stage_infos,
+    supported_tasks,
+)
 from omni_trio.request.planning import RoutePlanner, plan_request
 from omni_trio.testing import assert_nothing_in_flight, scripted_backends, scripted_pipeline
 
@@ -78,6 +83,22 @@ def test_supported_tasks_follow_the_output_types():
     assert supported_tasks(stage_infos(not_final)) == ("speech",)
     # tokens are not text: no `generate`
     assert supported_tasks(stage_infos(not_final)[:1]) == ()
+
+
+def test_image_stages_serve_the_image_task_and_the_last_one_is_the_pipelines():
+    cfg = load_config(
+        {
+            "name": "x",
+            "stages": [
+                {"id": "llm", "output_type": "text", "final_output": True},
+                {"id": "sketch", "inputs": ["llm"], "output_type": "image"},
+                {"id": "paint", "inputs": ["sketch"], "output_type": "image"},
+            ],
+        }
+    )
+    assert supported_tasks(stage_infos(cfg)) == ("generate", "image")
+    assert image_stage(cfg) == "paint"
+    assert image_stage(omni()) is None
 
 
 def test_modality_stages_pick_final_stages_of_each_type():

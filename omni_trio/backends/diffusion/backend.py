@@ -298,7 +298,9 @@ class DiffusionBackend(StageBackend):
         self._waiting.append(job)
         self._arrived.set()
         try:
-            async with inbox:
+            # closed with no checkpoint before `abandoned` is set below: else the ticker may
+            # run in between and send to the closed inbox (BrokenResourceError kills it)
+            with inbox:
                 async for kind, payload, step in inbox:
                     if kind == "error":
                         raise payload
