@@ -157,6 +157,15 @@ async def test_bad_requests_are_400s_and_reach_no_stage():
         assert_nothing_in_flight(engine)
 
 
+async def test_a_size_the_model_cannot_make_is_a_400_from_the_stage():
+    async with running_server(image_pipeline()) as (engine, base), client_for(base) as http:
+        r = await http.post(URL, json={"model": "images", "prompt": "x", "size": "12x12"})
+        assert r.status_code == 400, r.text
+        assert "multiples of 8" in r.json()["error"]["message"]
+        assert engine.statistics().requests_failed == 1
+        assert_nothing_in_flight(engine)
+
+
 async def test_a_pipeline_without_an_image_stage_says_so():
     async with running_server(scripted_pipeline(["llm"], name="text")) as (engine, base):
         async with client_for(base) as http:

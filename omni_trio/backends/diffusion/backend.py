@@ -32,8 +32,8 @@ interrupted), the others of that step get their results (one that finished in th
 keeps its image), and its latents are dropped with it. Stopping the replica waits for the
 running step, so no thread outlives it.
 
-Errors: a request the model cannot take (bad sampling params, no text prompt) fails with a
-:class:`~omni_trio.errors.StageError` naming the problem, that request only; a failure in a
+Errors: a request the model cannot take (bad sampling params, no text prompt) fails with
+:class:`~omni_trio.errors.InvalidRequestError` naming the problem, that request only; a failure in a
 step fails the requests of that step (they shared its forward), each with a StageError
 naming the step; a failed prepare fails that request only.
 
@@ -56,7 +56,13 @@ import trio
 
 from ...config.options import DiffusionOptions, parse_options
 from ...config.stage import StageConfig
-from ...errors import BackendUnavailableError, ConfigError, StageError
+from ...errors import (
+    BackendUnavailableError,
+    ConfigError,
+    InvalidRequestError,
+    OmniTrioError,
+    StageError,
+)
 from ...outputs import SamplingParams, StageOutput
 from ...stages.backend import StageBackend
 from ...stages.emit import Emit
@@ -200,15 +206,7 @@ class DiffusionBackend(StageBackend):
         self._request_steps += len(batch)
         self._largest_batch = max(self._largest_batch, len(batch))
         for job, error in failed:
-            self._fail(
-                job,
-                StageError(
-                    f"stage {self.name}: request {job.request_id!r}: the model could not prepare "
-                    f"it: {type(error).__name__}: {error}",
-                    stage_id=self.stage_id,
-                    request_id=job.request_id,
-                ),
-            )
+            self._fail(job, self._prepare_error(job, error))
         for job, kind, image in done:
             if job.abandoned:
                 continue
@@ -251,20 +249,35 @@ class DiffusionBackend(StageBackend):
         if not job.abandoned:
             job.outbox.send_nowait(("error", exc, job.steps))
 
+    def _prepare_error(self, job: _Job, exc: BaseException) -> OmniTrioError:
+        error: OmniTrioError
+        if isinstance(exc, InvalidRequestError):  # what the model cannot take (its sizes)
+            error = self._invalid(job.request_id, exc)
+            error.__cause__ = exc
+            return error
+        error = StageError(
+            f"stage {self.name}: request {job.request_id!r}: the model could not prepare "
+            f"it: {type(exc).__name__}: {exc}",
+            stage_id=self.stage_id,
+            request_id=job.request_id,
+        )
+        error.__cause__ = exc
+        return error
+
     def _step_error(self, job: _Job, exc: BaseException) -> StageError:
-        return StageError(
+        error = StageError(
             f"stage {self.name}: request {job.request_id!r}: the denoise step "
             f"{job.steps + 1} failed: {type(exc).__name__}: {exc}",
             stage_id=self.stage_id,
             request_id=job.request_id,
         )
+        error.__cause__ = exc
+        return error
 
     # -- a request -----------------------------------------------------------------------------
-    def _invalid(self, request_id: str, exc: Exception) -> StageError:
-        return StageError(
-            f"stage {self.name}: request {request_id!r}: invalid diffusion input: {exc}",
-            stage_id=self.stage_id,
-            request_id=request_id,
+    def _invalid(self, request_id: str, exc: Exception) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"stage {self.name}: request {request_id!r}: invalid diffusion input: {exc}"
         )
 
     async def _run(

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import trio
 
-from omni_trio import ConfigError, StageError, load_config, open_engine
+from omni_trio import ConfigError, InvalidRequestError, StageError, load_config, open_engine
 from omni_trio.backends.diffusion.backend import DiffusionBackend
 from omni_trio.testing import assert_nothing_in_flight, cancel_at_every_checkpoint
 
@@ -284,7 +284,7 @@ async def test_bad_sampling_params_fail_that_request_naming_the_param(
                 good.append(await image_of(engine, "fine", seed=1))
 
             nursery.start_soon(bystander)
-            with pytest.raises(StageError, match="invalid diffusion input") as info:
+            with pytest.raises(InvalidRequestError, match="invalid diffusion input") as info:
                 await generate(engine, "bad", **params)
             assert named in str(info.value)
         assert good[0].shape == (1, 32, 32, 3)
@@ -293,7 +293,7 @@ async def test_bad_sampling_params_fail_that_request_naming_the_param(
 
 async def test_token_ids_are_refused(autojump_clock):
     async with open_engine(image_pipeline()) as engine:
-        with pytest.raises(StageError, match="takes a text prompt, not token ids"):
+        with pytest.raises(InvalidRequestError, match="takes a text prompt, not token ids"):
             await generate(engine, [1, 2, 3])
 
 
