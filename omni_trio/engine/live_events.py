@@ -10,6 +10,7 @@ dropped, so a response's deltas wait for room instead (control events never wait
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,8 +101,10 @@ class Journal:
         "_bytes",
         "_changed",
         "_events",
+        "_pending_sizes",
         "_room",
         "_sizes",
+        "_undelivered_bytes",
         "acked",
         "closed",
         "delivered",
@@ -116,6 +119,9 @@ class Journal:
         self._events: deque[SessionEvent] = deque()
         self._sizes: deque[int] = deque()
         self._bytes = 0
+        # the sizes of the events no reader got yet (the newest ones), and their sum
+        self._pending_sizes: deque[int] = deque()
+        self._undelivered_bytes = 0
         self.next_seq = 1
         self.delivered = 0  # highest seq handed to a reader
         self.acked = 0  # highest seq the client acknowledged
@@ -136,16 +142,13 @@ class Journal:
     def n_bytes(self) -> int:
         return self._bytes
 
-    def _undelivered(self) -> tuple[int, int]:
-        n = self.next_seq - 1 - max(self.delivered, self.first_seq - 1)
-        sizes = list(self._sizes)[len(self._sizes) - n :] if n else []
-        return n, sum(sizes)
+    def _undelivered_count(self) -> int:
+        return self.next_seq - 1 - max(self.delivered, self.first_seq - 1)
 
     def has_room(self) -> bool:
-        n, size = self._undelivered()
         return has_room(
-            undelivered_events=n,
-            undelivered_bytes=size,
+            undelivered_events=self._undelivered_count(),
+            undelivered_bytes=self._undelivered_bytes,
             max_events=self.max_events,
             max_bytes=self.max_bytes,
         )
@@ -168,6 +171,8 @@ class Journal:
         self._events.append(event)
         self._sizes.append(size)
         self._bytes += size
+        self._undelivered_bytes += size
+        self._pending_sizes.append(size)
         self.closed = isinstance(event, SessionClosed)
         self._changed.set()
         self._changed = trio.Event()
@@ -176,8 +181,12 @@ class Journal:
 
     def after(self, seq: int) -> list[SessionEvent]:
         """The held events after ``seq``, oldest first. Synchronous."""
-        start = max(0, seq + 1 - self.first_seq)
-        return list(self._events)[start:]
+        n = len(self._events) - max(0, seq + 1 - self.first_seq)
+        if n <= 0:
+            return []
+        newest = list(itertools.islice(reversed(self._events), n))
+        newest.reverse()
+        return newest
 
     async def wait_after(self, seq: int) -> None:
         """Wait until an event after ``seq`` is in (returns at once if one is, or if the
@@ -191,6 +200,10 @@ class Journal:
         """A reader got every event up to ``seq``. Synchronous."""
         if seq > self.delivered:
             self.delivered = seq
+            # the newly delivered are the oldest undelivered ones
+            keep = self._undelivered_count()
+            while len(self._pending_sizes) > keep:
+                self._undelivered_bytes -= self._pending_sizes.popleft()
             self._trim()
             self._room.set()
 
@@ -206,10 +219,15 @@ class Journal:
         """A resumed reader starts after ``seq``: what follows counts as undelivered
         again. Synchronous."""
         self.delivered = seq
+        n = self._undelivered_count()
+        self._pending_sizes = deque(itertools.islice(reversed(self._sizes), n))
+        self._pending_sizes.reverse()
+        self._undelivered_bytes = sum(self._pending_sizes)
 
     def _trim(self) -> None:
         n = trim_count(
             self._sizes,
+            total_bytes=self._bytes,
             first_seq=self.first_seq,
             delivered_seq=self.delivered,
             acked_seq=self.acked,

@@ -205,6 +205,7 @@ def has_room(
 def trim_count(
     sizes: Sequence[int],
     *,
+    total_bytes: int,
     first_seq: int,
     delivered_seq: int,
     acked_seq: int,
@@ -212,10 +213,11 @@ def trim_count(
     max_bytes: int,
 ) -> int:
     """How many of the journal's oldest events to drop (``sizes`` oldest first, the first one
-    is seq ``first_seq``): every acknowledged one, then delivered ones while the journal is
-    over ``max_events`` or ``max_bytes``. Undelivered events are never dropped. Pure."""
+    is seq ``first_seq``; ``total_bytes`` is their sum): every acknowledged one, then delivered
+    ones while the journal is over ``max_events`` or ``max_bytes``. Undelivered events are
+    never dropped. Pure; reads only the sizes it drops and one more."""
     n = 0
-    total = sum(sizes)
+    total = total_bytes
     count = len(sizes)
     while n < count:
         seq = first_seq + n

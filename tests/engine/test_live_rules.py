@@ -114,7 +114,7 @@ def test_has_room():
 
 def test_trim_count():
     sizes = [10, 10, 10, 10]  # seqs 5..8
-    common = {"first_seq": 5, "max_events": 2, "max_bytes": 1000}
+    common = {"first_seq": 5, "total_bytes": 40, "max_events": 2, "max_bytes": 1000}
     # nothing delivered: nothing dropped, however far over the bounds
     assert trim_count(sizes, delivered_seq=4, acked_seq=4, **common) == 0
     # delivered ones go while over the bound, no further
