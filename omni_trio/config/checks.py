@@ -27,7 +27,14 @@ from ..errors import BackendUnavailableError, ConfigError
 from .backends import BUILTIN_BACKENDS, check_factory
 from .dotted import import_dotted, is_dotted
 from .graph import some_ids
-from .options import options_type_of, parse_options, parse_torch_options, split_torch_options
+from .options import (
+    DiffusionOptions,
+    check_diffusion_options,
+    options_type_of,
+    parse_options,
+    parse_torch_options,
+    split_torch_options,
+)
 from .pipeline import PipelineConfig
 from .stage import PLACEMENTS, StageConfig
 from .vllm_fields import check_vllm_stage
@@ -181,13 +188,18 @@ def check_stage(
     if stage.backend == "torch":
         _check_torch(stage.options, index, source)
     elif stage.backend in BUILTIN_BACKENDS:
-        parse_options(
+        parsed = parse_options(
             BUILTIN_BACKENDS[stage.backend].options,
             stage.options,
             where=opts_where,
             source=source,
             backend=stage.backend,
         )
+        if isinstance(parsed, DiffusionOptions):
+            try:
+                check_diffusion_options(parsed, opts_where, stage.options)
+            except ConfigError as exc:
+                raise ConfigError(exc.reason, path=exc.path, source=source) from None
     else:
         factory = import_dotted(
             stage.backend, what="backend", where=f"{where}.backend", source=source

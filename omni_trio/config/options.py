@@ -33,6 +33,7 @@ __all__ = [
     "DEFAULT_RECORD",
     "DEFAULT_TORCH_FACTORY",
     "DiffusionOptions",
+    "check_diffusion_options",
     "ScriptedOptions",
     "TalkerOptions",
     "TorchOptions",
@@ -215,6 +216,38 @@ class DiffusionOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, 
         Annotated[int, Meta(ge=1)] | None,
         Meta(description="model scripted only: a request's step that raises (from 1)"),
     ] = None
+
+
+_OFFLOADS = ("enable_model_cpu_offload", "enable_sequential_cpu_offload")
+_SCRIPTED_ONLY = ("scripted_step_s", "scripted_fail_at_step")
+
+
+def check_diffusion_options(
+    options: DiffusionOptions, where: str, given: Mapping[str, object] | None = None
+) -> None:
+    """What can be checked of a diffusion stage's options without its model: the CPU
+    offloads exclude each other and need an accelerator ``device``; the ``scripted_*``
+    options (``given``: the options as written) belong to ``model: scripted``. ``where`` is
+    the options' path (``$.stages[1].options``). Pure. Raises :class:`ConfigError` naming
+    the option."""
+    for name in _SCRIPTED_ONLY:
+        if options.model != "scripted" and name in (given or {}):
+            raise ConfigError(
+                f"{name} applies to model scripted only, not {options.model!r}",
+                path=f"{where}.{name}",
+            )
+    chosen = [name for name in _OFFLOADS if getattr(options, name)]
+    if len(chosen) > 1:
+        raise ConfigError(
+            "diffusers' model and sequential CPU offloads exclude each other; enable one",
+            path=f"{where}.{chosen[1]}",
+        )
+    if chosen and options.device.split(":")[0] == "cpu":
+        raise ConfigError(
+            "a CPU offload keeps the weights on the CPU and moves them to an accelerator when "
+            f"used; it needs an accelerator device (cuda, xpu...), not device {options.device!r}",
+            path=f"{where}.{chosen[0]}",
+        )
 
 
 class VllmOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

@@ -9,9 +9,11 @@ import pytest
 from omni_trio import ConfigError, load_config
 from omni_trio.config.options import (
     DEFAULT_TORCH_FACTORY,
+    DiffusionOptions,
     ScriptedOptions,
     TorchOptions,
     VllmOptions,
+    check_diffusion_options,
     options_type_of,
     parse_options,
     parse_torch_options,
@@ -189,3 +191,53 @@ def test_scripted_max_tokens_checked_at_load():
             load_config(one_stage(default_sampling_params={"max_tokens": bad}))
         assert info.value.path == "$.stages[0].default_sampling_params.max_tokens"
         assert "max_tokens must be an integer >= 1" in str(info.value)
+
+
+# -- the diffusion backend's options, checked at load (no model) -------------------------------
+
+WHERE = "$.stages[1].options"
+
+
+def test_offload_on_cpu_is_named_at_its_path() -> None:
+    options = DiffusionOptions(model="tiny:diffusion", enable_model_cpu_offload=True)
+    with pytest.raises(ConfigError, match="needs an accelerator device") as info:
+        check_diffusion_options(options, WHERE)
+    assert info.value.path == "$.stages[1].options.enable_model_cpu_offload"
+    options = DiffusionOptions(model="x", enable_sequential_cpu_offload=True, device="cpu:0")
+    with pytest.raises(ConfigError, match="accelerator device .*not device 'cpu:0'") as info:
+        check_diffusion_options(options, WHERE)
+    assert info.value.path == "$.stages[1].options.enable_sequential_cpu_offload"
+
+
+def test_both_offloads_exclude_each_other() -> None:
+    options = DiffusionOptions(
+        model="x", device="cuda", enable_model_cpu_offload=True, enable_sequential_cpu_offload=True
+    )
+    with pytest.raises(ConfigError, match="exclude each other") as info:
+        check_diffusion_options(options, WHERE)
+    assert info.value.path == "$.stages[1].options.enable_sequential_cpu_offload"
+
+
+def test_options_without_offload_pass_on_cpu() -> None:
+    flags = {"enable_attention_slicing": True, "enable_vae_slicing": True}
+    check_diffusion_options(DiffusionOptions(model="x", enable_vae_tiling=True, **flags), WHERE)
+
+
+def test_scripted_options_belong_to_the_scripted_model() -> None:
+    given = {"model": "tiny:diffusion", "scripted_step_s": 1.0}
+    options = DiffusionOptions(model="tiny:diffusion", scripted_step_s=1.0)
+    with pytest.raises(ConfigError, match="applies to model scripted only") as info:
+        check_diffusion_options(options, WHERE, given)
+    assert info.value.path == "$.stages[1].options.scripted_step_s"
+    check_diffusion_options(DiffusionOptions(model="scripted", scripted_step_s=1.0), WHERE, given)
+
+
+def test_a_config_with_a_cpu_offload_is_refused_at_load() -> None:
+    stage = {"id": "image", "backend": "diffusion", "output_type": "image", "final_output": True}
+    cfg = {
+        "name": "i",
+        "stages": [{**stage, "options": {"model": "x", "enable_model_cpu_offload": True}}],
+    }
+    with pytest.raises(ConfigError, match="needs an accelerator device") as info:
+        load_config(cfg)
+    assert info.value.path == "$.stages[0].options.enable_model_cpu_offload"

@@ -54,11 +54,10 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ...config.options import DiffusionOptions, parse_options
+from ...config.options import DiffusionOptions, check_diffusion_options, parse_options
 from ...config.stage import StageConfig
 from ...errors import (
     BackendUnavailableError,
-    ConfigError,
     InvalidRequestError,
     OmniTrioError,
     StageError,
@@ -114,12 +113,7 @@ class DiffusionBackend(StageBackend):
                 f"stage {config.id!r}: the diffusion backend needs {missing}; {_INSTALL_HINT}"
             )
         given = config.options if isinstance(config.options, Mapping) else {}
-        for name in ("scripted_step_s", "scripted_fail_at_step"):
-            if not scripted and name in given:
-                raise ConfigError(
-                    f"{name} applies to model scripted only, not {self.options.model!r}",
-                    path=f"{where}.{name}",
-                )
+        check_diffusion_options(self.options, where, given)
         self._model: DenoiseModel | None = None
         self._lock = trio.Lock()  # the model's calls, one at a time
         self._waiting: list[_Job] = []

@@ -42,7 +42,6 @@ __all__ = [
     "DiffusersModel",
     "DiffusersState",
     "DiffusionSettings",
-    "check_diffusion_options",
     "load_denoise_model",
 ]
 
@@ -71,33 +70,14 @@ class DiffusionSettings(Protocol):
     def enable_vae_tiling(self) -> bool: ...
 
 
-_OFFLOADS = ("enable_model_cpu_offload", "enable_sequential_cpu_offload")
-
-
-def check_diffusion_options(options: DiffusionSettings, where: str) -> None:
-    """What can be checked of ``options`` without loading the model: the CPU offloads need
-    an accelerator ``device`` and the ``accelerate`` package, and exclude each other.
-    ``where`` is the options' path in the config (``$.stages[1].options``). Pure but for
-    looking up whether ``accelerate`` is installed. Raises :class:`ConfigError` naming the
-    option."""
-    chosen = [name for name in _OFFLOADS if getattr(options, name)]
-    if len(chosen) > 1:
-        raise ConfigError(
-            "diffusers' model and sequential CPU offloads exclude each other; enable one",
-            path=f"{where}.{chosen[1]}",
-        )
-    if not chosen:
-        return
-    if options.device.split(":")[0] == "cpu":
-        raise ConfigError(
-            "a CPU offload keeps the weights on the CPU and moves them to an accelerator when "
-            f"used; it needs an accelerator device (cuda, xpu...), not device {options.device!r}",
-            path=f"{where}.{chosen[0]}",
-        )
-    if importlib.util.find_spec("accelerate") is None:
-        raise ConfigError(
-            "diffusers' CPU offload needs accelerate installed", path=f"{where}.{chosen[0]}"
-        )
+def _check_accelerate(options: DiffusionSettings, where: str) -> None:
+    # the rest of the options is checked at config load
+    # (omni_trio.config.options.check_diffusion_options)
+    for name in ("enable_model_cpu_offload", "enable_sequential_cpu_offload"):
+        if getattr(options, name) and importlib.util.find_spec("accelerate") is None:
+            raise ConfigError(
+                "diffusers' CPU offload needs accelerate installed", path=f"{where}.{name}"
+            )
 
 
 def load_denoise_model(options: DiffusionSettings, *, where: str = "$") -> DiffusersModel:
@@ -113,7 +93,7 @@ def load_denoise_model(options: DiffusionSettings, *, where: str = "$") -> Diffu
 
     from ..tiny import resolve_model
 
-    check_diffusion_options(options, where)
+    _check_accelerate(options, where)
     diffusers = import_diffusers("the diffusion backend")
     if options.torch_threads is not None:
         torch.set_num_threads(options.torch_threads)

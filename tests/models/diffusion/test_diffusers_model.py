@@ -15,7 +15,6 @@ from omni_trio.errors import ConfigError, InvalidRequestError
 from omni_trio.models.diffusion.contract import ImageRequest, image_request
 from omni_trio.models.diffusion.diffusers_model import (
     DiffusersModel,
-    check_diffusion_options,
     encode_text,
     load_denoise_model,
 )
@@ -58,40 +57,12 @@ def max_diff(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
 
 
-# -- options checked at config load (no model) -------------------------------------------------
-
-
-def test_offload_on_cpu_is_named_at_its_path() -> None:
-    options = DiffusionOptions(model="tiny:diffusion", enable_model_cpu_offload=True)
-    with pytest.raises(ConfigError, match="needs an accelerator device") as info:
-        check_diffusion_options(options, WHERE)
-    assert info.value.path == "$.stages[1].options.enable_model_cpu_offload"
-    options = DiffusionOptions(model="x", enable_sequential_cpu_offload=True, device="cpu:0")
-    with pytest.raises(ConfigError, match="accelerator device .*not device 'cpu:0'") as info:
-        check_diffusion_options(options, WHERE)
-    assert info.value.path == "$.stages[1].options.enable_sequential_cpu_offload"
-
-
-def test_both_offloads_exclude_each_other() -> None:
-    options = DiffusionOptions(
-        model="x", device="cuda", enable_model_cpu_offload=True, enable_sequential_cpu_offload=True
-    )
-    with pytest.raises(ConfigError, match="exclude each other") as info:
-        check_diffusion_options(options, WHERE)
-    assert info.value.path == "$.stages[1].options.enable_sequential_cpu_offload"
-
-
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is not None, reason="accelerate here")
-def test_offload_without_accelerate_is_named() -> None:
+def test_offload_without_accelerate_is_named_before_anything_loads() -> None:
     options = DiffusionOptions(model="x", device="cuda", enable_model_cpu_offload=True)
     with pytest.raises(ConfigError, match="needs accelerate") as info:
-        check_diffusion_options(options, WHERE)
+        load_denoise_model(options, where=WHERE)
     assert info.value.path == "$.stages[1].options.enable_model_cpu_offload"
-
-
-def test_options_without_offload_pass_on_cpu() -> None:
-    flags = {"enable_attention_slicing": True, "enable_vae_slicing": True}
-    check_diffusion_options(DiffusionOptions(model="x", enable_vae_tiling=True, **flags), WHERE)
 
 
 # -- the real tiny pipeline ----------------------------------------------------------------------
