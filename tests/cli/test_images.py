@@ -267,3 +267,19 @@ def test_run_tiny_image_writes_a_png(tmp_path, capsys):
     image = png(out_dir / "prompt-1.png")
     assert image.shape == (32, 32, 3) and image.dtype == np.uint8
     assert f"wrote {out_dir / 'prompt-1.png'} (32x32)" in capsys.readouterr().out
+
+
+@needs_tiny_diffusion
+@pytest.mark.slow
+def test_a_diffusers_directory_runs_as_its_own_pipeline(tmp_path, capsys):
+    from omni_trio.models.tiny import resolve_model
+
+    model_dir = resolve_model("tiny:diffusion")  # a diffusers pipeline directory
+    out_dir = tmp_path / "out"
+    argv = ["run", str(model_dir), "a cat", "--steps", "2", "--seed", "1", "--size", "32x32"]
+    assert main([*argv, "--output-dir", str(out_dir)]) == 0
+    by_dir = png(out_dir / "prompt-1.png")
+    # the same image as the shipped tiny-image pipeline on the same checkpoint
+    assert main(["run", "tiny-image", *argv[2:], "--output-dir", str(tmp_path / "named")]) == 0
+    assert np.array_equal(by_dir, png(tmp_path / "named" / "prompt-1.png"))
+    assert "wrote" in capsys.readouterr().out
