@@ -8,9 +8,12 @@ while an engine is built is unambiguously that engine's; :func:`reap` and
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from types import SimpleNamespace
@@ -32,6 +35,31 @@ _SPAWN_LOCK = threading.Lock()
 logger = logging.getLogger(__name__)
 
 
+#: where vLLM puts its ZMQ IPC socket files (``VLLM_RPC_BASE_PATH``)
+RPC_PATH_ENV = "VLLM_RPC_BASE_PATH"
+_SOCKET_PATH_MAX = 107
+
+
+def private_ipc_dir() -> str | None:
+    """Point vLLM's ZMQ IPC socket files (one per engine socket, named by a uuid, never
+    unlinked by vLLM: they pile up in the temp directory) at a directory of this process,
+    removed when it exits; the EngineCores it spawns inherit it. A base path the user set
+    is kept, and so is vLLM's default when the temp directory's path is too long for a
+    socket path in a subdirectory. Idempotent; returns the directory in use (None: vLLM's
+    default)."""
+    given = os.environ.get(RPC_PATH_ENV)
+    if given:
+        return given
+    base = tempfile.gettempdir()
+    # a socket's path: <base>/ot-XXXXXXXX/<uuid4>, within sockaddr_un's 107 bytes
+    if len(os.fsencode(base)) + len("/ot-XXXXXXXX/") + 36 > _SOCKET_PATH_MAX:
+        return None
+    path = tempfile.mkdtemp(prefix="ot-", dir=base)
+    os.environ[RPC_PATH_ENV] = path
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def import_vllm() -> SimpleNamespace:
     """Import what the worker needs from vllm (once per process, serialised), and make this
     process fit to run vLLM's CPU kernels (AMX tile state, :mod:`.amx`).
@@ -45,6 +73,7 @@ def import_vllm() -> SimpleNamespace:
     # _vllm_plugin: a vLLM general plugin of this package, acting on this variable)
     os.environ.setdefault(QUICK_EXIT_ENV, "1")
     with VLLM_IMPORT_LOCK:
+        private_ipc_dir()
         # ... and do not outlive this process (an EngineCore spawned from it watches it);
         # written only when it changes: another engine's spawn may be reading the environment
         if os.environ.get(FRONTEND_ENV) != str(os.getpid()):

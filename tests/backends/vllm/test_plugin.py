@@ -9,6 +9,8 @@ import multiprocessing
 import os
 import select
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from importlib.metadata import entry_points
@@ -28,10 +30,11 @@ from omni_trio.backends.vllm.plugin import (
     register,
     watched_parent,
 )
+from omni_trio.backends.vllm.process import RPC_PATH_ENV, private_ipc_dir
 from omni_trio.models.tiny import default_cache_dir
 
 from ...cli.test_serve import Server, alive
-from ...conftest import engine_seconds
+from ...conftest import engine_seconds, run_bounded
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -400,3 +403,42 @@ def test_a_ray_placed_replica_leaves_no_process_when_its_actor_then_the_server_i
     # its local Ray goes with it (Ray: GCS and raylet die with the driver, an actor whose
     # raylet died kills its children and exits), and so does whatever the actor started
     assert left_by_server == [], f"still running {EXIT_BOUND_S} s after the server's kill"
+
+
+CHILD = """
+import trio, omni_trio
+cfg = {"name": "one", "stages": [{"id": "llm", "backend": "vllm", "final_output": True,
+       "engine_args": {"model": "tiny:thinker"}, "default_sampling_params": {"max_tokens": 2}}]}
+async def main():
+    async with omni_trio.open_engine(cfg) as engine:
+        async with engine.generate("hello") as stream:
+            print("outputs", len([o async for o in stream]))
+trio.run(main)
+"""
+
+
+@pytest.mark.vllm
+def test_vllms_ipc_socket_files_go_with_the_process() -> None:
+    # vLLM names a ZMQ socket file per engine socket in VLLM_RPC_BASE_PATH (the temp
+    # directory by default) and never unlinks it: the process keeps them in a directory of
+    # its own, removed at exit (a short temp directory: socket paths have 107 bytes)
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="ipc") as tmp:
+        env = {k: v for k, v in os.environ.items() if k != RPC_PATH_ENV}
+        env["TMPDIR"] = tmp
+        root = Path(__file__).resolve().parents[3]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+        proc = run_bounded([sys.executable, "-c", CHILD], 300, "a one-engine run", env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "outputs" in proc.stdout
+        left = [p.name for p in Path(tmp).iterdir()]
+        assert not [n for n in left if n.startswith("ot-") or len(n) == 36], left
+
+
+def test_a_temp_directory_too_long_for_socket_paths_keeps_vllms_default(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(RPC_PATH_ENV, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / ("x" * 80)))
+    assert private_ipc_dir() is None and RPC_PATH_ENV not in os.environ
+    monkeypatch.setenv(RPC_PATH_ENV, "/mine")
+    assert private_ipc_dir() == "/mine"
