@@ -363,7 +363,8 @@ async def test_the_server_sends_a_heartbeat_after_a_silence():
     limits = RealtimeLimits(heartbeat_s=0.05)
 
     def listen(port: int) -> list[dict[str, Any]]:
-        with ws_connect(f"ws://127.0.0.1:{port}/v1/realtime") as ws:
+        # vLLM-Omni's ?duplex=1 is accepted: every session here is full duplex
+        with ws_connect(f"ws://127.0.0.1:{port}/v1/realtime?duplex=1") as ws:
             events = [json.loads(ws.recv(timeout=WAIT)) for _ in range(3)]
             ws.send(json.dumps({"type": "heartbeat"}))  # the client's own: answered too
             events.append(json.loads(ws.recv(timeout=WAIT)))
