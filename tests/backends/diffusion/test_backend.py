@@ -313,6 +313,7 @@ async def test_scripted_options_on_a_real_model_are_refused(autojump_clock):
             pass
 
 
+@pytest.mark.slow  # 1,200 requests: seconds, kept out of the fast suite
 async def test_memory_stays_flat_over_a_thousand_aborted_requests(autojump_clock):
     async with open_engine(image_pipeline(execution="step")) as engine:
 
