@@ -20,7 +20,8 @@ several pairs (two LLM stages each split in two, or two branches); each is check
   ``KVTransferConfig`` fields: it goes to vLLM unchanged), with the same ``kv_connector``,
   roles that produce (``kv_producer``/``kv_both``) and consume
   (``kv_consumer``/``kv_both``), equal ``kv_buffer_device`` and ``kv_buffer_size`` where
-  both set them, and equal ``tensor_parallel_size``.
+  both set them, and the same ``model``, ``dtype``, ``kv_cache_dtype``, ``block_size`` and
+  ``tensor_parallel_size`` in their ``engine_args`` (set alike, or both unset).
 
 ``kv_transfer_config`` lives in ``engine_args`` rather than beside them: it is an
 ``AsyncEngineArgs`` field that vLLM reads as it is, so it is written once, reaches the
@@ -60,6 +61,25 @@ KV_PARAMS_OPTIONAL_CONNECTORS = frozenset({"ExampleConnector"})
 #: the keys of ``kv_transfer_config`` whose values the two halves must agree on, where both
 #: set them (``kv_buffer_size`` is an older vLLM's; the current one has no such field)
 _MATCHED_KEYS = ("kv_buffer_device", "kv_buffer_size")
+#: the engine args both halves must give alike (unset counts as the default given), and why
+_SAME_ENGINE_ARGS: dict[str, tuple[object, str]] = {
+    "model": (None, "the decode loads the KV cache the prefill's model computed"),
+    "dtype": (None, "the KV cache is handed over in the prefill's dtype"),
+    "kv_cache_dtype": (None, "the KV cache is handed over in the prefill's cache dtype"),
+    "block_size": (
+        None,
+        "the KV cache is handed over in blocks (a connector keyed by the prompt's tokens, as "
+        "ExampleConnector is, finds nothing under another block size and recomputes)",
+    ),
+    "tensor_parallel_size": (
+        1,
+        "the KV cache is sharded by tensor parallelism, so both halves need the same",
+    ),
+}
+
+
+def _shown(value: object) -> str:
+    return "unset" if value is None else repr(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,16 +245,16 @@ def check_pd_pair(stages: Sequence[StageConfig], pair: PDPair, source: str | Non
                 path=f"{d_where}.kv_transfer_config.{key}",
                 source=source,
             )
-    p_tp = stages[p].engine_args.get("tensor_parallel_size", 1)
-    d_tp = stages[d].engine_args.get("tensor_parallel_size", 1)
-    if p_tp != d_tp:
-        raise ConfigError(
-            f"decode stage {pair.decode!r} has tensor_parallel_size {d_tp!r} but its prefill "
-            f"stage {pair.prefill!r} ($.stages[{p}]) has {p_tp!r}: the KV cache is sharded "
-            "by tensor parallelism, so both halves need the same",
-            path=f"{d_where}.tensor_parallel_size",
-            source=source,
-        )
+    p_args, d_args = stages[p].engine_args, stages[d].engine_args
+    for key, (default, why) in _SAME_ENGINE_ARGS.items():
+        p_val, d_val = p_args.get(key, default), d_args.get(key, default)
+        if p_val != d_val:
+            raise ConfigError(
+                f"decode stage {pair.decode!r} has {key} {_shown(d_val)} but its prefill "
+                f"stage {pair.prefill!r} ($.stages[{p}]) has {_shown(p_val)}: {why}",
+                path=f"{d_where}.{key}",
+                source=source,
+            )
     assert isinstance(p_conn, str)  # _kv_config checked it
     return PDPair(
         pair.prefill,

@@ -71,7 +71,12 @@ class RequestMaker:
         if self._pd_pairs:
             # the pairs' params checked, their prefills' rewritten (request/pd.py)
             params = pd_request_params(
-                self._pd_pairs, plan, params, rid, streaming_input=bool(streaming_input)
+                self._pd_pairs,
+                plan,
+                params,
+                rid,
+                streaming_input=bool(streaming_input),
+                lora_request=lora_request,
             )
         artifacts = None
         if self._prompt_hooks:

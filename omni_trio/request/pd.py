@@ -178,9 +178,21 @@ def kv_transfer_params_of(
     return kv
 
 
-def decode_input(prefill_input: StageInput, pair: PDPair) -> StageInput:
-    """The decode stage's whole input: what its prefill stage got (the same prompt, so the
-    same tokens whose KV cache it loads). Pure."""
+def decode_input(prefill_input: StageInput, prefill_metrics: object, pair: PDPair) -> StageInput:
+    """The decode stage's whole input: the prompt its prefill stage computed the KV cache
+    of. That is the ``prompt_token_ids`` the prefill's finished output reports (``metrics``:
+    the prompt as its engine tokenized it, templates and ``tokenization_kwargs`` applied, so
+    the decode gets exactly those tokens) when its input was text or token ids; otherwise
+    (a prompt dict, which may carry multimodal data the decode needs too, or no ids
+    reported) the prefill's input itself. Pure."""
+    ids = prefill_metrics.get("prompt_token_ids") if isinstance(prefill_metrics, Mapping) else None
+    if (
+        not isinstance(prefill_input.data, Mapping)
+        and isinstance(ids, (tuple, list))
+        and ids
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+    ):
+        return StageInput(None, tuple(ids), prefill_input.data, True, pair.prefill)
     chunk = prefill_input
     return StageInput(chunk.prompt, chunk.token_ids, chunk.data, True, pair.prefill)
 
@@ -192,12 +204,15 @@ def pd_request_params(
     request_id: str,
     *,
     streaming_input: bool = False,
+    lora_request: object = None,
 ) -> dict[str, SamplingParams]:
     """Every stage's params for a request on route ``plan``: for each pair on it, both
     halves' checked (:func:`check_pair_params`) and the prefill's rewritten
     (:func:`prefill_sampling_params`); the other stages' as given. Pure. Raises
     :class:`InvalidRequestError`: a bad param, a route that runs a prefill stage without its
-    decode stage, or ``streaming_input`` into a prefill stage (it needs the whole prompt)."""
+    decode stage, ``streaming_input`` into a prefill stage (it needs the whole prompt), or a
+    ``lora_request`` with an entry prefill stage (only entry stages take it, so its decode
+    stage would decode without the adapter the cache was computed with)."""
     out = dict(params)
     active = set(plan.active)
     for pair in pairs:
@@ -213,6 +228,12 @@ def pd_request_params(
             raise InvalidRequestError(
                 f"streaming_input cannot feed prefill stage {pair.prefill!r} of {pair.label}: "
                 "a prefill computes the KV cache of the whole prompt at once"
+            )
+        if lora_request is not None and pair.prefill in plan.entries:
+            raise InvalidRequestError(
+                f"lora_request is not supported on {pair.label}: only entry stages take it, "
+                f"so decode stage {pair.decode!r} would decode without the adapter its KV "
+                "cache was computed with"
             )
         check_pair_params(out[pair.decode], pair.decode, pair, decode=True)
         prefill = check_pair_params(out[pair.prefill], pair.prefill, pair, decode=False)

@@ -22,8 +22,9 @@ task). What happens to a stage's outputs depends on who needs them
 
 The two stages of a prefill/decode pair (:mod:`~omni_trio.request.pd`) always take their
 input whole, observers or not: a prefill stage's input is kept on the request, and once
-it finished its decode stage starts with that same input and the ``kv_transfer_params``
-from its finished output (missing or malformed ones fail the request there).
+it finished its decode stage starts with the same prompt (the token ids the prefill
+reports, or that input) and the ``kv_transfer_params`` from its finished output (missing
+or malformed ones fail the request there).
 
 Input processors and observers never run inside a backend's call stack. A stage's failure
 fails the request (:meth:`~omni_trio.request.state.Request.fail`), an abort through its
@@ -176,11 +177,12 @@ class StageRunner:
 
     def _decode_start(self, req: Request, pair: PDPair) -> StageInput:
         """The whole input of ``pair``'s decode stage, its prefill having finished: the
-        prefill's own input; its params (set on the request) with the ``kv_transfer_params``
-        the prefill returned. Synchronous. Raises StageError naming the pair when they are
-        missing or malformed."""
+        prompt the prefill computed (``decode_input``); its params (set on the request) with
+        the ``kv_transfer_params`` the prefill returned. Synchronous. Raises StageError
+        naming the pair when they are missing or malformed."""
         rid = req.request_id
-        kv = kv_transfer_params_of(req.stage_outputs(pair.prefill), pair, rid)
+        outputs = req.stage_outputs(pair.prefill)
+        kv = kv_transfer_params_of(outputs, pair, rid)  # outputs[-1]: the finished one
         prefill_input = (
             req.kept_input(pair.prefill) if self._upstream[pair.prefill] else req.first_input
         )
@@ -194,7 +196,7 @@ class StageRunner:
         params = req.sampling_params(pair.decode)
         assert isinstance(params, Mapping)  # pd_request_params checked it
         req.set_stage_params(pair.decode, decode_sampling_params(params, kv, rid))
-        return decode_input(prefill_input, pair)
+        return decode_input(prefill_input, outputs[-1].metrics, pair)
 
     def _request_runs(self, req: Request, feeds: list[StageFeed]) -> list[Run]:
         """Build every active stage's feed (appended to ``feeds``; deferred ones, without a

@@ -223,6 +223,27 @@ CASES: list[tuple[str, object, str, str]] = [
         "kv_buffer_size 2000000000.0 but",
     ),
     (
+        "mismatched models",
+        lambda d: d["stages"][1]["engine_args"].update(model="tiny:talker"),
+        "$.stages[1].engine_args.model",
+        "model 'tiny:talker' but its prefill stage 'p' ($.stages[0]) has unset",
+    ),
+    (
+        "mismatched block sizes",
+        lambda d: (
+            d["stages"][0]["engine_args"].update(block_size=32),
+            d["stages"][1]["engine_args"].update(block_size=128),
+        ),
+        "$.stages[1].engine_args.block_size",
+        "finds nothing under another block size",
+    ),
+    (
+        "mismatched dtypes",
+        lambda d: d["stages"][0]["engine_args"].update(dtype="float32"),
+        "$.stages[1].engine_args.dtype",
+        "dtype unset but its prefill stage 'p' ($.stages[0]) has 'float32'",
+    ),
+    (
         "mismatched tensor parallelism",
         lambda d: d["stages"][1]["engine_args"].update(tensor_parallel_size=2),
         "$.stages[1].engine_args.tensor_parallel_size",

@@ -158,9 +158,20 @@ def test_missing_or_malformed_kv_params_are_a_stage_error_naming_the_pair(output
             kv_transfer_params_of(outputs, CONTENT, "r")
 
 
-def test_decode_input_is_the_prefills():
-    chunk = StageInput(prompt="hi", token_ids=(1, 2), data={"a": 1}, final=True, source="up")
-    assert decode_input(chunk, PAIR) == StageInput("hi", (1, 2), {"a": 1}, True, "p")
+def test_decode_input_is_the_prompt_the_prefill_computed():
+    text = StageInput(prompt="hi", data=b"audio", source="up")
+    reported = {"prompt_token_ids": (7, 8, 9)}
+    # the ids the prefill's engine tokenized (templates and tokenization_kwargs applied)
+    assert decode_input(text, reported, PAIR) == StageInput(None, (7, 8, 9), b"audio", True, "p")
+    ids = StageInput(token_ids=(1, 2), final=False)
+    assert decode_input(ids, {"prompt_token_ids": [1, 2]}, PAIR) == StageInput(
+        None, (1, 2), None, True, "p"
+    )
+    # a prompt dict (multimodal data the decode needs too), or no usable ids: the input
+    mm = StageInput(data={"prompt": "hi", "multi_modal_data": {"image": 1}}, source="up")
+    assert decode_input(mm, reported, PAIR) == StageInput(None, (), mm.data, True, "p")
+    for metrics in (None, {}, {"prompt_token_ids": ()}, {"prompt_token_ids": [1, -2]}):
+        assert decode_input(text, metrics, PAIR) == StageInput("hi", (), b"audio", True, "p")
 
 
 def test_a_routes_params_rewritten_for_each_pair_on_it():
@@ -186,8 +197,17 @@ def test_a_route_must_run_the_decode_of_a_prefill_it_runs():
         pd_request_params([PAIR], plan_request(cfg, final_stage_id="p"), {}, "r")
 
 
-def test_streaming_input_cannot_feed_a_prefill():
+def test_streaming_input_or_a_lora_cannot_reach_a_prefill():
     cfg = load_config(pd())
     params = resolve_sampling_params(cfg, GREEDY)
     with pytest.raises(InvalidRequestError, match="streaming_input cannot feed prefill stage 'p'"):
         pd_request_params([PAIR], plan_request(cfg), params, "r", streaming_input=True)
+    with pytest.raises(InvalidRequestError, match="lora_request is not supported on prefill"):
+        pd_request_params([PAIR], plan_request(cfg), params, "r", lora_request=object())
+    # a prefill that is no entry stage takes neither (it gets its upstream's tokens)
+    chained = load_config({"stages": [stage("up"), prefill("p", inputs=["up"]), decode()]})
+    plan = plan_request(chained)
+    out = pd_request_params(
+        [PDPair("p", "d", 1, 2, "NixlConnector")], plan, params | {"up": {}}, "r", lora_request=1
+    )
+    assert out["p"]["max_tokens"] == 1

@@ -95,15 +95,16 @@ async def test_a_pair_carries_the_kv_params_and_the_prompt(autojump_clock, obser
             "do_remote_prefill": True,
             "do_remote_decode": False,
         }
-        # ... and the prefill's own input, not its one token
+        # ... and the prompt the prefill computed (the ids its finished output reports:
+        # "hey"'s bytes, or the upstream stage's tokens), not the prefill's one token
         (p_in,), (d_in,) = p.received["r1"], d.received["r1"]
-        assert (d_in.prompt, d_in.token_ids, d_in.source) == (p_in.prompt, p_in.token_ids, "p")
         prompt = list(b"hey")
         if upstream:
             assert p_in.token_ids == tuple(scripted_tokens(prompt, 3))
             prompt = list(p_in.token_ids)
         else:
             assert p_in.prompt == "hey"
+        assert (d_in.prompt, d_in.token_ids, d_in.source) == (None, tuple(prompt), "p")
         assert [o.stage_id for o in outs] == ["d"] * 4
         assert [t for o in outs for t in o.token_ids] == scripted_tokens(prompt, 4)
         assert outs[-1].finished and outs[-1].finish_reason == "length"
@@ -259,7 +260,7 @@ async def test_several_pairs_in_one_pipeline(autojump_clock):
         assert [t for o in outs for t in o.token_ids] == scripted_tokens(d1_tokens, 2)
         for p, d, prompt in (("p1", "d1", None), ("p2", "d2", tuple(d1_tokens))):
             (p_in,), (d_in,) = only(engine, p).received["r"], only(engine, d).received["r"]
-            assert d_in.token_ids == p_in.token_ids and d_in.source == p
+            assert d_in.token_ids == (prompt or tuple(b"hey")) and d_in.source == p
             if prompt is not None:
                 assert p_in.token_ids == prompt
             (params,) = only(engine, d).sampling["r"]
@@ -270,10 +271,20 @@ async def test_several_pairs_in_one_pipeline(autojump_clock):
         assert_nothing_in_flight(engine)
 
 
+async def test_a_prompt_dict_goes_to_the_decode_as_it_is(autojump_clock):
+    # multimodal data and all: the decode needs what the prefill computed the cache of
+    prompt = {"prompt": "hey", "multi_modal_data": {"image": "<pixels>"}}
+    async with omni_trio.open_engine(pipeline()) as engine:
+        assert (await engine.generate(prompt, request_id="r").collect())[-1].finished
+        (d_in,) = only(engine, "d").received["r"]
+        assert (d_in.data, d_in.token_ids, d_in.source) == (prompt, (), "p")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "phrase"),
     [
         ({"sampling_params": {"temperature": 0, "n": 2}}, "sampling param 'n' of stage"),
+        ({"lora_request": "an adapter"}, "lora_request is not supported on"),
         ({"sampling_params": {"temperature": 0, "logprobs": 1}}, "'logprobs' is not supported"),
         ({"sampling_params": {"d": {"temperature": 0.5}}}, "greedy (temperature: 0) or seeded"),
         ({"final_stage_id": "p"}, "without its decode stage 'd'"),
