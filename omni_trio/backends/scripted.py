@@ -22,6 +22,11 @@ Options (under the stage's ``options:``):
 ``token_offset`` (int, 1)       see below
 ``record`` (int|false, 10000)   how many entries the records below keep (the most recent);
                                 ``false``: none, so a long-running scripted server stays flat
+``omit_kv_params_at_request``,  a prefill stage's n-th request (1-based) finishes without
+``malformed_kv_params_at_request``  ``kv_transfer_params``, or with ones that are no mapping
+(int|null)
+``require_kv_params`` (bool)    a request whose sampling params bring no
+                                ``kv_transfer_params`` with ``do_remote_prefill`` fails
 
 They are declared by :class:`~omni_trio.config.options.ScriptedOptions` and checked when the
 config is loaded. A stage's stop is bounded by the stage key ``shutdown_timeout``.
@@ -37,6 +42,13 @@ request whose outputs nobody needs as they come (``outputs_streamed`` is false: 
 reads the stage and no ``stream_input`` stage takes them) gets its finished output only,
 carrying every token and the whole text, at the time its last output would have come: a vllm
 stage asks vLLM for ``FINAL_ONLY`` output then.
+
+Prefill/decode pairs (:mod:`omni_trio.config.pd`): a scripted stage stands in for a vLLM
+engine with a KV connector. A request whose sampling params bring
+``extra_args.kv_transfer_params`` with ``do_remote_decode`` (what a prefill stage is sent)
+finishes with ``metrics["kv_transfer_params"]`` naming the replica and the request
+(``remote_engine_id``, ``remote_request_id``, its ``transfer_id``); a decode stage's
+``sampling`` record shows the params it was given, ``received`` its input.
 
 Interactions (``engine.interact`` / ``stream.interact``): ``{"stop": True}`` finishes the
 request now: it cuts short the wait the request is in (its input, its latency, a hang), and
@@ -59,7 +71,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, SupportsFloat, TypeVar, cast, overload
 
 import trio
@@ -72,7 +84,7 @@ from ..stages.backend import StageBackend
 from ..stages.emit import Emit, nowait_of
 from ..stages.input_stream import InputStream
 
-__all__ = ["RecentList", "ScriptedBackend", "input_tokens", "scripted_tokens"]
+__all__ = ["RecentList", "ScriptedBackend", "input_tokens", "kv_params_brought", "scripted_tokens"]
 
 T = TypeVar("T")
 
@@ -188,8 +200,22 @@ def scripted_tokens(inputs: Sequence[int], n_outputs: int, offset: int = 1) -> l
     return [inputs[k % len(inputs)] + offset for k in range(n_outputs)]
 
 
+def _done_metrics(k: int, prompt: Sequence[int], kv: object) -> dict[str, object]:
+    """A finished output's metrics: its index, its prompt's ids, and the
+    ``kv_transfer_params`` of a prefill (``kv``; None: none). Pure."""
+    metrics: dict[str, object] = {"output_index": k, "prompt_token_ids": tuple(prompt)}
+    if kv is not None:
+        metrics["kv_transfer_params"] = kv
+    return metrics
+
+
 def _whole(
-    stage_id: str, tokens: Sequence[int], reason: str, k: int, prompt: Sequence[int]
+    stage_id: str,
+    tokens: Sequence[int],
+    reason: str,
+    k: int,
+    prompt: Sequence[int],
+    kv: object = None,
 ) -> StageOutput:
     """A finished output carrying ``tokens`` (none: an empty stop output). Pure."""
     return StageOutput(
@@ -197,8 +223,18 @@ def _whole(
         text="".join(f"{stage_id}:{token} " for token in tokens),
         finished=True,
         finish_reason=reason,
-        metrics={"output_index": k, "prompt_token_ids": tuple(prompt)},
+        metrics=_done_metrics(k, prompt, kv),
     )
+
+
+def kv_params_brought(sampling_params: SamplingParams) -> Mapping[str, object] | None:
+    """The ``kv_transfer_params`` a request's sampling params bring (in ``extra_args``, as
+    vLLM reads them), or None. Pure."""
+    if not isinstance(sampling_params, Mapping):
+        return None
+    extra = sampling_params.get("extra_args")
+    kv = extra.get("kv_transfer_params") if isinstance(extra, Mapping) else None
+    return kv if isinstance(kv, Mapping) else None
 
 
 def input_tokens(chunk: StageInput) -> tuple[int, ...]:
@@ -268,6 +304,7 @@ class ScriptedBackend(StageBackend):
             await trio.lowlevel.checkpoint()  # the scope is cancelled: this raises
         n_outputs = self.options.outputs
         self.sampling.start(request_id).append(sampling_params)
+        kv_out = self._kv_params(request_id, kv_params_brought(sampling_params))
         if isinstance(sampling_params, dict) and "max_tokens" in sampling_params:
             n_outputs = min(n_outputs, int(sampling_params["max_tokens"]))
         fail_at = self.options.fail_at_output
@@ -335,7 +372,7 @@ class ScriptedBackend(StageBackend):
                 if final_only:
                     held.append(token)
                     if last:
-                        await emit(_whole(self.stage_id, held, "length", k, tokens))
+                        await emit(_whole(self.stage_id, held, "length", k, tokens, kv_out))
                 else:
                     out = StageOutput(
                         token_ids=(token,),
@@ -343,9 +380,7 @@ class ScriptedBackend(StageBackend):
                         finished=last,
                         finish_reason="length" if last else None,
                         # metrics once per request, on its finished output (as vllm's)
-                        metrics={"output_index": k, "prompt_token_ids": tuple(tokens)}
-                        if last
-                        else None,
+                        metrics=_done_metrics(k, tokens, kv_out) if last else None,
                     )
                     if nowait is None or not nowait(out):
                         await emit(out)
@@ -355,7 +390,7 @@ class ScriptedBackend(StageBackend):
             if live.stop and (stopped or k < n_outputs):
                 # stopped by an interaction: the next output is the finished one, empty (or
                 # carrying the tokens held for a whole-output request)
-                await emit(_whole(self.stage_id, held, "stop", k, tokens))
+                await emit(_whole(self.stage_id, held, "stop", k, tokens, kv_out))
             self.completed.append(request_id)
         except trio.Cancelled:
             self.aborted.append(request_id)
@@ -365,6 +400,36 @@ class ScriptedBackend(StageBackend):
             raise
         finally:
             del self._live[request_id]
+
+    def _kv_params(self, request_id: str, brought: Mapping[str, object] | None) -> object:
+        """What this request's finished output carries as ``kv_transfer_params`` (None:
+        nothing), as a vLLM engine with a KV connector would: a prefill (``brought`` asks
+        for ``do_remote_decode``) gets params naming this replica and the request, unless
+        an ``*_kv_params_at_request`` option says otherwise. Synchronous. Raises
+        StageError when ``require_kv_params`` is set and ``brought`` asks for no
+        ``do_remote_prefill``."""
+        if self.options.require_kv_params and not (brought and brought.get("do_remote_prefill")):
+            raise StageError(
+                f"scripted stage {self.name} requires kv_transfer_params with "
+                f"do_remote_prefill (require_kv_params: true); request {request_id!r} "
+                f"brought {brought!r}",
+                stage_id=self.stage_id,
+                request_id=request_id,
+            )
+        if not (brought and brought.get("do_remote_decode")):
+            return None
+        n = self.requests_seen
+        if n == self.options.omit_kv_params_at_request:
+            return None
+        if n == self.options.malformed_kv_params_at_request:
+            return "not a mapping"
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": f"scripted:{self.stage_id}:{self.replica}",
+            "remote_request_id": request_id,
+            "transfer_id": brought.get("transfer_id"),
+        }
 
     async def _interact(self, request_id: str, payload: object) -> None:
         """``{"stop": True}`` finishes the request now (its next output is its finished one,

@@ -4,7 +4,8 @@ Converting a file to :class:`~omni_trio.config.pipeline.PipelineConfig` checks e
 type and bounds. :func:`validate` checks the rest and raises at the first
 problem: stage ids (non-empty, unique), backends (built-in or a dotted path), each stage's
 inputs (not itself, not twice, known), an entry stage, the graph (no cycle), a final output,
-the prompt hooks (entry stages only, importable), every backend's ``options``
+the prompt hooks (entry stages only, importable), the prefill/decode pairs
+(:mod:`omni_trio.config.pd`), every backend's ``options``
 (:mod:`omni_trio.config.options`), and the placements (one Ray cluster for all).
 :func:`check_vllm_stages` checks vllm stages against vLLM's own fields. Every failure is a
 :class:`~omni_trio.errors.ConfigError` naming the source and the value's ``$``-path.
@@ -35,6 +36,7 @@ from .options import (
     parse_torch_options,
     split_torch_options,
 )
+from .pd import pd_pairs
 from .pipeline import PipelineConfig
 from .stage import PLACEMENTS, StageConfig
 from .vllm_fields import check_vllm_stage
@@ -109,6 +111,7 @@ def validate(cfg: PipelineConfig, *, check_vllm: bool = True) -> None:
             path="$.stages",
             source=src,
         )
+    pd_pairs(cfg.stages, src)  # prefill/decode pairs (config/pd.py)
     for i, st in enumerate(cfg.stages):
         _check_entry_hooks(st, i, src)
         check_stage(st, i, src, check_vllm=check_vllm)

@@ -85,6 +85,27 @@ class ScriptedOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
         Meta(ge=0, description="trio-clock seconds a request's abort cleanup takes (shielded)"),
     ] = 0.0
     token_offset: Annotated[int, Meta(description="added to every token id per hop")] = 1
+    omit_kv_params_at_request: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        Meta(
+            description="a prefill stage's n-th request (1-based) finishes without "
+            "kv_transfer_params (a connector that returned none)"
+        ),
+    ] = None
+    malformed_kv_params_at_request: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        Meta(
+            description="a prefill stage's n-th request (1-based) finishes with "
+            "kv_transfer_params that are not a mapping"
+        ),
+    ] = None
+    require_kv_params: Annotated[
+        bool,
+        Meta(
+            description="a request whose sampling params bring no kv_transfer_params with "
+            "do_remote_prefill fails (a decode engine that must load the KV cache)"
+        ),
+    ] = False
     record: Annotated[
         Annotated[int, Meta(ge=0)] | bool,
         Meta(

@@ -149,6 +149,22 @@ class StageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream_input: Annotated[
         bool, doc("start on streamed partial upstream output instead of waiting for it")
     ] = False
+    is_prefill_only: Annotated[
+        bool,
+        doc(
+            "vllm stages: the prefill half of a prefill/decode pair: runs each prompt to one "
+            "token and hands its KV cache, through engine_args.kv_transfer_config, to the "
+            "decode stage that lists it as its input"
+        ),
+    ] = False
+    is_decode_only: Annotated[
+        bool,
+        doc(
+            "vllm stages: the decode half of a prefill/decode pair: its one input is the "
+            "prefill stage; it gets the prefill's prompt and kv_transfer_params and loads the "
+            "KV cache instead of recomputing it"
+        ),
+    ] = False
     final_output: Annotated[bool, doc("its outputs go to callers by default")] = False
     output_type: Annotated[OutputType, doc("what the stage produces")] = "text"
     default_sampling_params: Annotated[

@@ -1,6 +1,7 @@
 """Load-time checks of a vllm stage's ``engine_args`` and ``default_sampling_params``.
 
-Keys are checked against ``vllm.AsyncEngineArgs`` fields and ``vllm.SamplingParams`` fields,
+Keys are checked against ``vllm.AsyncEngineArgs`` fields and ``vllm.SamplingParams`` fields
+(and ``engine_args.kv_transfer_config``'s against ``KVTransferConfig``'s),
 so a typo fails ``omni-trio validate`` instead of an engine start ~20 s later. Types are checked
 where that is cheap and safe: an engine arg whose annotation is made of plain types (int, float,
 bool, str, None, literals, lists and dicts of those) is converted with msgspec; sampling params
@@ -27,6 +28,7 @@ from typing import Literal, cast
 import msgspec
 
 from ..errors import ConfigError
+from .pd import kv_transfer_config
 from .reading import explain_validation_error, with_value
 
 __all__ = ["VLLM_IMPORT_LOCK", "check_vllm_stage", "engine_arg_types"]
@@ -83,17 +85,40 @@ def _vllm() -> SimpleNamespace | None:
     # in this process takes
     with VLLM_IMPORT_LOCK:
         try:
+            from vllm.config.kv_transfer import KVTransferConfig
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.sampling_params import SamplingParams
         except ImportError:
             return None  # a broken install: the stage's start reports it
-    return SimpleNamespace(AsyncEngineArgs=AsyncEngineArgs, SamplingParams=SamplingParams)
+    return SimpleNamespace(
+        AsyncEngineArgs=AsyncEngineArgs,
+        SamplingParams=SamplingParams,
+        KVTransferConfig=KVTransferConfig,
+    )
 
 
 def _unknown(kind: str, key: str, known: typing.Iterable[str]) -> str:
     close = difflib.get_close_matches(key, list(known), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"{key!r} is not a vllm {kind} field{hint}"
+
+
+def _check_kv_transfer_config(
+    v: SimpleNamespace, engine_args: Mapping[str, object], where: str, source: str | None
+) -> None:
+    # its keys against vLLM's KVTransferConfig (a config of another vLLM version may name
+    # fields this one does not have: kv_buffer_size, kv_parallel_size); the values are
+    # vLLM's to check when the engine starts (config/pd.py checks a pair's)
+    kv = kv_transfer_config(engine_args, f"{where}.engine_args", source)
+    if kv is None:
+        return
+    path = f"{where}.engine_args.kv_transfer_config"
+    known = [f.name for f in dataclasses.fields(v.KVTransferConfig)]
+    for key in kv:
+        if key not in known:
+            raise ConfigError(
+                _unknown("KVTransferConfig", str(key), known), path=f"{path}.{key}", source=source
+            )
 
 
 def check_vllm_stage(
@@ -119,6 +144,7 @@ def check_vllm_stage(
             except msgspec.ValidationError as exc:
                 reason = with_value(str(exc).split(" - at ", 1)[0], value)
                 raise ConfigError(reason, path=path, source=source) from None
+    _check_kv_transfer_config(v, engine_args, where, source)
     known = v.SamplingParams.__struct_fields__
     for key in sampling_params:
         if key not in known:

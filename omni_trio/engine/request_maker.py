@@ -9,12 +9,14 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import trio
 
+from ..config.pd import pd_pairs
 from ..config.pipeline import PipelineConfig
 from ..context import RequestContext, check_request_options
 from ..errors import InvalidRequestError, StageError
 from ..outputs import OmniOutput, Prompt, SamplingParams
 from ..request.companions import expand_companions, load_expand_hooks
 from ..request.hooks import PromptHooks
+from ..request.pd import pd_request_params
 from ..request.planning import RequestPlan, RoutePlanner, prompt_to_input, resolve_sampling_params
 from .orchestrator import Orchestrator
 from .streams import RequestStream
@@ -33,6 +35,7 @@ class RequestMaker:
         self._config = config
         self._orchestrator = orchestrator
         self._planner = RoutePlanner(config)
+        self._pd_pairs = pd_pairs(config.stages, config.source)
         self._prompt_hooks = prompt_hooks
         self._expand_hooks = load_expand_hooks(
             [(st.id, None if st.inputs else st.prompt_expand) for st in config.stages],
@@ -65,6 +68,16 @@ class RequestMaker:
         check_request_options(priority, arrival_time, trace_headers, tokenization_kwargs)
         if streaming_input:
             self._check_streaming_input(plan)
+        if self._pd_pairs:
+            # the pairs' params checked, their prefills' rewritten (request/pd.py)
+            params = pd_request_params(
+                self._pd_pairs,
+                plan,
+                params,
+                rid,
+                streaming_input=bool(streaming_input),
+                lora_request=lora_request,
+            )
         artifacts = None
         if self._prompt_hooks:
             # after every other argument was checked (a refused call runs no hook), before the

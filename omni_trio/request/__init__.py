@@ -16,7 +16,9 @@ outputs go, and everything it carries.
 - what a request carries: :mod:`~omni_trio.request.streaming_input` (input sent in
   segments), :mod:`~omni_trio.request.interactions` (control payloads for its entry stage),
   :mod:`~omni_trio.request.hooks` (``prompt_transform`` and the directories it leaves),
-  :mod:`~omni_trio.request.companions` (CFG companions).
+  :mod:`~omni_trio.request.companions` (CFG companions);
+- :mod:`~omni_trio.request.pd`: a prefill/decode pair per request (the sampling rewrite,
+  the KV handoff's params and input, pure).
 
 It runs requests on the stage pools (:mod:`omni_trio.stages`) and never imports a backend
 or the engine.

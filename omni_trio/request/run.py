@@ -20,6 +20,12 @@ task). What happens to a stage's outputs depends on who needs them
   (:func:`~omni_trio.request.route.route_stage`) delivers each output to the caller, to the
   observers and to the downstream stages' input processors.
 
+The two stages of a prefill/decode pair (:mod:`~omni_trio.request.pd`) always take their
+input whole, observers or not: a prefill stage's input is kept on the request, and once
+it finished its decode stage starts with the same prompt (the token ids the prefill
+reports, or that input) and the ``kv_transfer_params`` from its finished output (missing
+or malformed ones fail the request there).
+
 Input processors and observers never run inside a backend's call stack. A stage's failure
 fails the request (:meth:`~omni_trio.request.state.Request.fail`), an abort through its
 replica aborts it; nothing here decides the request's outcome.
@@ -32,8 +38,9 @@ from functools import partial
 
 import trio
 
+from ..config.pd import PDPair, pd_pairs
 from ..config.pipeline import PipelineConfig
-from ..errors import OmniTrioError, StageAborted
+from ..errors import OmniTrioError, StageAborted, StageError
 from ..observer import ObserverSet
 from ..outputs import StageInput, StageOutput
 from ..stages.emit import Emit
@@ -43,6 +50,7 @@ from ..transport.queue import OutputQueue
 from .companions import companion_key, run_with_companions
 from .emits import CollectEmit, OutboxEmit, pulled_emitter
 from .feeds import StageFeed, StageInputs, WholeInput
+from .pd import decode_input, decode_sampling_params, kv_transfer_params_of
 from .planning import RequestPlan, StagePath, stage_path
 from .route import COMPLETED, NONE_READY, STOPPED, Ready, finish_feeds, route_stage
 from .state import Request
@@ -78,6 +86,11 @@ class StageRunner:
         # keeps a bounded set of plans (by the plan's id, checked against the plan itself: no
         # hash of the plan per stage)
         self._layouts: dict[int, tuple[RequestPlan, dict[str, Layout]]] = {}
+        # prefill/decode pairs (request/pd.py): by decode stage, and every stage of one,
+        # each of which starts only once its input is whole, observers or not
+        pairs = pd_pairs(config.stages, config.source)
+        self._pd_decodes: dict[str, PDPair] = {p.decode: p for p in pairs}
+        self._pd_stages = frozenset(self._pd_decodes) | {p.prefill for p in pairs}
 
     def _layout(self, plan: RequestPlan) -> dict[str, Layout]:
         """Each active stage's path without observers, its ``streamed`` flag and its
@@ -141,11 +154,49 @@ class StageRunner:
         final chunk as its whole input. Synchronous."""
         if not ready:
             return []
-        return [
-            run
-            for feed, chunk in ready
-            for run in self._stage_tasks(req, feed.stage_id, WholeInput(chunk), feed.onward)
-        ]
+        if not self._pd_stages:
+            return [
+                run
+                for feed, chunk in ready
+                for run in self._stage_tasks(req, feed.stage_id, WholeInput(chunk), feed.onward)
+            ]
+        runs: list[Run] = []
+        for feed, chunk in ready:
+            sid = feed.stage_id
+            pair = self._pd_decodes.get(sid)
+            if pair is not None:
+                try:
+                    chunk = self._decode_start(req, pair)
+                except StageError as exc:
+                    req.fail(sid, exc)  # that request only: nothing of the decode started
+                    continue
+            elif sid in self._pd_stages and chunk is not None:
+                req.keep_input(sid, chunk)  # a prefill stage's: its decode stage's input
+            runs.extend(self._stage_tasks(req, sid, WholeInput(chunk), feed.onward))
+        return runs
+
+    def _decode_start(self, req: Request, pair: PDPair) -> StageInput:
+        """The whole input of ``pair``'s decode stage, its prefill having finished: the
+        prompt the prefill computed (``decode_input``); its params (set on the request) with
+        the ``kv_transfer_params`` the prefill returned. Synchronous. Raises StageError
+        naming the pair when they are missing or malformed."""
+        rid = req.request_id
+        outputs = req.stage_outputs(pair.prefill)
+        kv = kv_transfer_params_of(outputs, pair, rid)  # outputs[-1]: the finished one
+        prefill_input = (
+            req.kept_input(pair.prefill) if self._upstream[pair.prefill] else req.first_input
+        )
+        if prefill_input is None:
+            raise StageError(
+                f"{pair.label}: prefill stage {pair.prefill!r} got no input for request "
+                f"{rid!r} (its input processor sent none), so there is no prompt to decode",
+                stage_id=pair.decode,
+                request_id=rid,
+            )
+        params = req.sampling_params(pair.decode)
+        assert isinstance(params, Mapping)  # pd_request_params checked it
+        req.set_stage_params(pair.decode, decode_sampling_params(params, kv, rid))
+        return decode_input(prefill_input, outputs[-1].metrics, pair)
 
     def _request_runs(self, req: Request, feeds: list[StageFeed]) -> list[Run]:
         """Build every active stage's feed (appended to ``feeds``; deferred ones, without a
@@ -168,7 +219,7 @@ class StageRunner:
                 roles = [companion_key(companion_stage, c.role) for c in context.companions]
                 upstream, stream = [*upstream, *roles], False
             send: trio.MemorySendChannel[StageInput] | None = None
-            if not (defer and not stream):
+            if not ((defer or sid in self._pd_stages) and not stream):
                 send, inputs[sid] = trio.open_memory_channel[StageInput](self.config.output_buffer)
             feed = StageFeed(
                 sid,

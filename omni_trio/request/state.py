@@ -64,11 +64,13 @@ class Request:
         "_error",
         "_first_input",
         "_input",
+        "_kept_inputs",
         "_lifecycle",
         "_plan",
         "_produced",
         "_queue",
         "_scope",
+        "_stage_params",
     )
 
     def __init__(
@@ -101,6 +103,10 @@ class Request:
         self._ended = False
         self._done: trio.Event | None = None  # created by the first waiter
         self._error: BaseException | None = None  # set when the request ends failed
+        # a prefill stage's whole input, kept for its decode stage (request/pd.py), and the
+        # params a stage runs with when they were set after the request was made
+        self._kept_inputs: dict[str, StageInput] | None = None
+        self._stage_params: dict[str, SamplingParams] | None = None
 
     # -- what it is (set once) -----------------------------------------------------------------
     @property
@@ -118,8 +124,36 @@ class Request:
         return self._context
 
     def sampling_params(self, stage_id: str) -> SamplingParams:
-        """Stage ``stage_id``'s sampling params. Synchronous."""
+        """Stage ``stage_id``'s sampling params: those :meth:`set_stage_params` set, else the
+        context's. Synchronous."""
+        if self._stage_params is not None and stage_id in self._stage_params:
+            return self._stage_params[stage_id]
         return self._context.sampling_params[stage_id]
+
+    def set_stage_params(self, stage_id: str, params: SamplingParams) -> None:
+        """Run stage ``stage_id`` (not started yet) with ``params``, which only its upstream
+        stages' outputs could decide (a decode stage's ``kv_transfer_params``); the
+        context keeps the params the request was made with. Synchronous."""
+        if self._stage_params is None:
+            self._stage_params = {}
+        self._stage_params[stage_id] = params
+
+    @property
+    def first_input(self) -> StageInput:
+        """The entry stages' input, as the request was made with it (its first segment, with
+        ``streaming_input``)."""
+        return self._first_input
+
+    def keep_input(self, stage_id: str, chunk: StageInput) -> None:
+        """Keep stage ``stage_id``'s whole input for a later stage (:meth:`kept_input`).
+        Synchronous."""
+        if self._kept_inputs is None:
+            self._kept_inputs = {}
+        self._kept_inputs[stage_id] = chunk
+
+    def kept_input(self, stage_id: str) -> StageInput | None:
+        """The input :meth:`keep_input` kept for stage ``stage_id``, or None. Synchronous."""
+        return None if self._kept_inputs is None else self._kept_inputs.get(stage_id)
 
     def entry_input(self) -> StageInputs:
         """What an entry stage reads: the prompt whole, or (``streaming_input``) the segments

@@ -294,3 +294,42 @@ async def test_abort_delay_makes_a_cancelled_requests_cleanup_take_that_long(aut
         nursery.cancel_scope.cancel()
     with pytest.raises(ConfigError, match=r"options\.abort_delay_s: Expected `float` >= 0"):
         backend(abort_delay_s=-1.0)
+
+
+async def test_a_prefill_request_returns_kv_params_and_a_decode_may_require_them(autojump_clock):
+    # standing in for a vLLM engine with a KV connector (omni_trio.config.pd): a request
+    # asking for a remote decode finishes with kv_transfer_params naming replica and request
+    asked = {
+        "max_tokens": 1,
+        "extra_args": {"kv_transfer_params": {"do_remote_decode": True, "transfer_id": "t"}},
+    }
+    b = backend(outputs=3, omit_kv_params_at_request=2, malformed_kv_params_at_request=3)
+    strict = backend(require_kv_params=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.serve)
+        await nursery.start(strict.serve)
+        chunk = StageInput(token_ids=(1, 2))
+        (out,) = await run(b, "r1", chunk, params=asked)
+        assert out.finished and out.metrics == {
+            "output_index": 0,
+            "prompt_token_ids": (1, 2),
+            "kv_transfer_params": {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": "scripted:a:0",
+                "remote_request_id": "r1",
+                "transfer_id": "t",
+            },
+        }
+        (missing,) = await run(b, "r2", chunk, params=asked)  # its 2nd request: none
+        assert "kv_transfer_params" not in missing.metrics
+        (bad,) = await run(b, "r3", chunk, params=asked)  # its 3rd: not a mapping
+        assert bad.metrics["kv_transfer_params"] == "not a mapping"
+        plain = await run(b, "r4", chunk)  # no remote decode asked: nothing returned
+        assert "kv_transfer_params" not in plain[-1].metrics
+        with pytest.raises(StageError, match="requires kv_transfer_params with do_remote_prefill"):
+            await run(strict, "d1", chunk, params={"max_tokens": 2})
+        decode = {"extra_args": {"kv_transfer_params": {"do_remote_prefill": True}}}
+        assert (await run(strict, "d2", chunk, params=decode))[-1].finished
+        assert strict.sampling["d2"] == [decode]  # what it was given, recorded
+        nursery.cancel_scope.cancel()

@@ -152,6 +152,17 @@ def test_torch_weights_file_must_exist(tmp_path):
             "default_sampling_params.temperature",
             "non-negative",
         ),
+        (
+            "engine_args: {kv_transfer_config: {kv_connector: NixlConnector, "
+            "kv_role: kv_both, kv_buffer_size: 1000}}",
+            "engine_args.kv_transfer_config.kv_buffer_size",
+            "'kv_buffer_size' is not a vllm KVTransferConfig field",
+        ),
+        (
+            "engine_args: {kv_transfer_config: NixlConnector}",
+            "engine_args.kv_transfer_config",
+            "must be a mapping of vLLM KVTransferConfig fields, not str",
+        ),
         ("options: {output_buffer: 0}", "options.output_buffer", ">= 1"),
         ("options: {cpu_bnd: '0'}", "options.cpu_bnd", "unknown vllm option 'cpu_bnd'"),
     ],

@@ -52,6 +52,12 @@ Sampling params: ``None`` or a dict become ``SamplingParams(**d, output_kind=DEL
 ``SamplingParams`` is copied and forced to DELTA. An unknown key or a bad value raises
 :class:`~omni_trio.errors.InvalidRequestError` from ``run_request``.
 
+Prefill/decode pairs (:mod:`omni_trio.config.pd`): a stage's ``engine_args.kv_transfer_config``
+goes to vLLM as it is; the request core puts a pair's ``kv_transfer_params`` into the
+sampling params' ``extra_args`` (where vLLM reads them), and a finished output carries the
+``kv_transfer_params`` vLLM returned (``RequestOutput.kv_transfer_params``) in its
+``metrics``, beside ``prompt_token_ids``.
+
 Per-request options (``generate(priority=, arrival_time=, lora_request=, trace_headers=,
 tokenization_kwargs=)``, read from the request's context): those that are not vLLM's defaults
 go to ``AsyncLLM.add_request`` (:func:`~._vllm_protocol.request_options`). ``priority``,

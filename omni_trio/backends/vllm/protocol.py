@@ -230,7 +230,8 @@ def check_sampling_keys(params: dict[str, Any], fields: tuple[str, ...]) -> None
 
 def metrics_of(ro: Any) -> dict[str, Any] | None:
     """vLLM's per-request metrics of a (finished) RequestOutput as a plain dict (None if
-    absent). Built once per request and stage. Pure."""
+    absent), with its prompt's ids and, from an engine with a KV connector, the
+    ``kv_transfer_params`` it returned. Built once per request and stage. Pure."""
     m = getattr(ro, "metrics", None)
     out: dict[str, Any] = {}
     if m is not None and dataclasses.is_dataclass(m) and not isinstance(m, type):
@@ -242,6 +243,11 @@ def metrics_of(ro: Any) -> dict[str, Any] | None:
         # the prompt as the engine saw it (after templating): a downstream stage that
         # conditions on the whole turn (a Qwen-Omni talker) reads it
         out["prompt_token_ids"] = tuple(ro.prompt_token_ids)
+    kv = getattr(ro, "kv_transfer_params", None)
+    if kv is not None:
+        # what a prefill engine's KV connector returned for the decode engine to load the
+        # cache with (a prefill/decode pair: omni_trio.request.pd); a copy, not vLLM's dict
+        out["kv_transfer_params"] = dict(kv) if isinstance(kv, Mapping) else kv
     return out or None
 
 

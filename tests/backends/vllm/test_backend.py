@@ -151,6 +151,31 @@ def test_params_whose_text_nobody_reads_skip_detokenizing() -> None:
     assert sampling_params(v, given, True, False) is given
 
 
+def test_a_pairs_params_become_vllms_with_the_kv_transfer_params_in_extra_args() -> None:
+    # the request core's rewrite (omni_trio.request.pd) as dicts: vLLM takes them as they
+    # are, kv_transfer_params where its scheduler reads them (SamplingParams.extra_args)
+    from omni_trio.backends.vllm.process import import_vllm
+    from omni_trio.backends.vllm.prompts import sampling_params
+    from omni_trio.request.pd import decode_sampling_params, prefill_sampling_params
+
+    v = import_vllm()
+    asked = {**GREEDY, "max_tokens": 8, "stop": ["."]}
+    prefill = sampling_params(v, prefill_sampling_params(asked, "r"), True, False)
+    assert (prefill.max_tokens, prefill.min_tokens, prefill.stop) == (1, 1, [])
+    assert prefill.extra_args == {
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_id": "xfer-r",
+        }
+    }
+    returned = {"remote_block_ids": [3], "remote_engine_id": "e", "do_remote_prefill": True}
+    decode = sampling_params(v, decode_sampling_params(asked, returned, "r"), False)
+    assert (decode.max_tokens, decode.stop) == (8, ["."])
+    assert decode.extra_args["kv_transfer_params"]["remote_block_ids"] == [3]
+    assert decode.output_kind == v.DELTA
+
+
 async def abort_mid_stream(engine: omni_trio.Engine, prompt: str) -> list[int]:
     """A long thinker request aborted after its third output: the consumer gets exactly what
     abort() returns, then an abort terminal, and no engine of the thinker -> talker pipeline

@@ -37,6 +37,7 @@ class _RequestOutput:
     prompt_token_ids: list[int] = field(default_factory=lambda: [1, 2, 3])
     metrics: _Metrics | None = None
     num_cached_tokens: int | None = 0
+    kv_transfer_params: dict[str, object] | None = None
 
 
 def test_metrics_are_built_only_for_the_finished_output() -> None:
@@ -58,6 +59,18 @@ def test_metrics_are_built_only_for_the_finished_output() -> None:
         # the prompt as the engine saw it: a Qwen-Omni talker stage conditions on it
         "prompt_token_ids": (1, 2, 3),
     }
+
+
+def test_a_prefill_engines_kv_transfer_params_ride_on_the_finished_output() -> None:
+    # what a KV connector returned (RequestOutput.kv_transfer_params): the decode stage of a
+    # prefill/decode pair is started with them (omni_trio.request.pd); a copy, not vLLM's
+    returned: dict[str, object] = {"do_remote_prefill": True, "remote_block_ids": [4, 5]}
+    ro = _RequestOutput([_Completion([7], "c", "length")], True, kv_transfer_params=returned)
+    metrics = to_stage_output(ro).metrics
+    assert metrics is not None and metrics["kv_transfer_params"] == returned
+    assert metrics["kv_transfer_params"] is not returned
+    plain = to_stage_output(_RequestOutput([_Completion([7], "c", "length")], True)).metrics
+    assert plain is not None and "kv_transfer_params" not in plain
 
 
 @dataclass
