@@ -23,6 +23,7 @@ Metric names (all prefixed ``omni_trio_``)::
     replica_restarts_total{stage,replica} / replica_failures_total{stage,replica}   counters
     admission_waiting                              gauge, admissions waiting for room
     engine_paused                                  gauge, 1 while admission is paused
+    resource_capacity{resource} / resource_reserved{resource}   gauges, the resource ledger
 
 The stage and replica gauges come from the engine's health report
 (:func:`~omni_trio.engine.health.assess_health` of the same snapshot), so ``/metrics`` and
@@ -97,6 +98,17 @@ def state_metrics(stats: EngineStatistics, without_output: int) -> Iterator[Metr
         "1 while admission is paused.",
         value=1 if stats.paused else 0,
     )
+    if stats.resources:
+        capacity = g("omni_trio_resource_capacity", "A resource's capacity.", labels=["resource"])
+        reserved = g(
+            "omni_trio_resource_reserved",
+            "What the replicas reserve of a resource.",
+            labels=["resource"],
+        )
+        for r in stats.resources:
+            capacity.add_metric([r.resource], r.capacity)
+            reserved.add_metric([r.resource], r.reserved)
+        yield from (capacity, reserved)
     yield from _stage_metrics(stats)
 
 
