@@ -169,6 +169,9 @@ class EngineStatistics:
     #: live sessions holding a slot (open, detached, or closing until their stages dropped
     #: their requests)
     sessions: int = 0
+    #: requests holding a ticket of ``max_requests_in_graph`` (admitted, and their consumer
+    #: has neither taken the final output nor left); None without that limit
+    requests_in_graph: int | None = None
     #: every resource a stage reserves (``resources:``), its capacity and what is held
     resources: tuple[ResourceStatistics, ...] = ()
 

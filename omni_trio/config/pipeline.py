@@ -121,6 +121,14 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, d
             extra_json_schema={"propertyNames": {"minLength": 1}},
         ),
     ] = {}
+    max_requests_in_graph: Annotated[
+        Annotated[int, Meta(ge=1, le=MAX_SLOTS)] | None,
+        doc(
+            "requests in the pipeline at once, each counted from its admission until its "
+            "consumer took the final output or left; beyond it a request waits or is "
+            "refused as admission says (default: no limit)"
+        ),
+    ] = None
     source: str | None = None
 
     def __post_init__(self) -> None:

@@ -387,8 +387,9 @@ class Engine:
         return supported_tasks(self.stages)
 
     def statistics(self) -> EngineStatistics:
-        """A frozen snapshot: request counters, admissions waiting, paused, every stage's
-        in-flight counts, and the resources the replicas reserve (capacity and reserved)."""
+        """A frozen snapshot: request counters, admissions waiting, paused, requests holding
+        a ``max_requests_in_graph`` ticket, every stage's in-flight counts, and the resources
+        the replicas reserve (capacity and reserved)."""
         orch = self.orchestrator
         admission = orch.admission
         return EngineStatistics(
@@ -402,6 +403,7 @@ class Engine:
             requests_waiting=admission.waiting,
             paused=admission.paused,
             sessions=self._live.held,
+            requests_in_graph=admission.in_graph,
             resources=self._stage_group.resources.statistics(),
         )
 

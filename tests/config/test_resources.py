@@ -1,5 +1,6 @@
 """The resource keys at load (``omni_trio.config.resources``): each stage's ``resources``
-against the pipeline's ``capacities``, every error a ConfigError naming its path."""
+against the pipeline's ``capacities``, every error a ConfigError naming its path; and
+``max_requests_in_graph``'s bounds."""
 
 import pytest
 
@@ -34,9 +35,13 @@ def test_resources_and_capacities_load():
     )
     assert cfg.stages[0].resources == {"device_memory_fraction": 0.5, "cpu_cores": 1.0}
     assert cfg.capacities == {"device_memory_fraction": 1.0, "cpu_cores": 4.0}
-    # the defaults: nothing reserved, no capacity declared
+    # the defaults: nothing reserved, no capacity declared, no graph limit
     plain = load_config(linear("a"))
-    assert (plain.stages[0].resources, plain.capacities) == ({}, {})
+    assert (plain.stages[0].resources, plain.capacities, plain.max_requests_in_graph) == (
+        {},
+        {},
+        None,
+    )
 
 
 def test_a_resource_without_a_capacity_is_named():
@@ -116,3 +121,14 @@ def test_bad_capacities_are_named(value, path):
     assert load_error(data).path == path
 
 
+@pytest.mark.parametrize("value", [0, -1, 1.5, "one", 10**7])
+def test_max_requests_in_graph_bounds(value):
+    data = linear("a")
+    data["max_requests_in_graph"] = value
+    assert load_error(data).path == "$.max_requests_in_graph"
+
+
+def test_max_requests_in_graph_loads():
+    data = linear("a")
+    data["max_requests_in_graph"] = 1
+    assert load_config(data).max_requests_in_graph == 1
