@@ -12,6 +12,7 @@ OmniTrioError
  +-- EngineClosedError                        the engine session has ended
  +-- EngineOverloadedError                    admission limit reached
  +-- StageStartError                          a stage failed or timed out while starting
+ |    +-- ResourceUnavailableError            a replica's resources do not fit the capacities
  +-- StageStopError                           a replica's stop failed or overran
  +-- StageError                               a stage failed one request
  |    +-- ReplicaDeadError                    the replica serving the request died
@@ -51,6 +52,7 @@ __all__ = [
     "NoLiveReplicaError",
     "OmniTrioError",
     "ReplicaDeadError",
+    "ResourceUnavailableError",
     "ServerBindError",
     "SessionBackpressureError",
     "SessionClosedError",
@@ -112,6 +114,32 @@ class StageStartError(OmniTrioError):
         self.stage_id = stage_id
         self.reason = reason
         super().__init__(f"stage {stage_id!r} failed to start: {reason}")
+
+
+class ResourceUnavailableError(StageStartError):
+    """A replica's declared ``resources`` do not fit in what is left of the pipeline's
+    ``capacities``: nothing was started (at ``open_engine``), or the replica was not added
+    (``add_replica``). ``replica`` is its index, ``resource`` the name that does not fit,
+    ``asked`` one replica's amount of it, ``left`` what the replicas reserved before it left,
+    ``capacity`` the pipeline's total."""
+
+    def __init__(
+        self,
+        stage_id: str,
+        reason: str,
+        *,
+        replica: int,
+        resource: str,
+        asked: float,
+        left: float,
+        capacity: float,
+    ) -> None:
+        self.replica = replica
+        self.resource = resource
+        self.asked = asked
+        self.left = left
+        self.capacity = capacity
+        super().__init__(stage_id, reason)
 
 
 class StageStopError(OmniTrioError):

@@ -20,6 +20,7 @@ __all__ = [
     "OmniOutput",
     "ReplicaState",
     "ReplicaStatistics",
+    "ResourceStatistics",
     "StageInput",
     "StageOutput",
     "StageStatistics",
@@ -139,6 +140,16 @@ class StageStatistics:
 
 
 @dataclass(frozen=True, slots=True)
+class ResourceStatistics:
+    """One resource of the pipeline's ledger (``capacities``, ``resources``): its total and
+    what the replicas hold now."""
+
+    resource: str
+    capacity: float
+    reserved: float
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStatistics:
     """A snapshot of an engine session. ``requests_in_flight == 0`` after every request ended
     and every stage shows zero in flight: nothing of any request is left behind."""
@@ -158,6 +169,11 @@ class EngineStatistics:
     #: live sessions holding a slot (open, detached, or closing until their stages dropped
     #: their requests)
     sessions: int = 0
+    #: requests holding a ticket of ``max_requests_in_graph`` (admitted, and their consumer
+    #: has neither taken the final output nor left); None without that limit
+    requests_in_graph: int | None = None
+    #: every resource a stage reserves (``resources:``), its capacity and what is held
+    resources: tuple[ResourceStatistics, ...] = ()
 
     @property
     def stage_requests_in_flight(self) -> int:

@@ -11,6 +11,8 @@ The modules:
 - :mod:`~omni_trio.config.graph`: the stage graph (index maps, order, ancestors);
 - :mod:`~omni_trio.config.checks`: everything beyond types, at load;
 - :mod:`~omni_trio.config.pd`: prefill/decode pairs, found and checked at load;
+- :mod:`~omni_trio.config.resources`: the stages' ``resources`` against the pipeline's
+  ``capacities``;
 - :mod:`~omni_trio.config.backends`: the built-in backends, listed once, and what a backend
   factory named by path must be;
 - :mod:`~omni_trio.config.options`: the built-in backends' option schemas, and

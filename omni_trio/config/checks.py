@@ -6,7 +6,8 @@ problem: stage ids (non-empty, unique), backends (built-in or a dotted path), ea
 inputs (not itself, not twice, known), an entry stage, the graph (no cycle), a final output,
 the prompt hooks (entry stages only, importable), the prefill/decode pairs
 (:mod:`omni_trio.config.pd`), every backend's ``options``
-(:mod:`omni_trio.config.options`), and the placements (one Ray cluster for all).
+(:mod:`omni_trio.config.options`), the placements (one Ray cluster for all), and the
+stages' ``resources`` against the ``capacities`` (:mod:`omni_trio.config.resources`).
 :func:`check_vllm_stages` checks vllm stages against vLLM's own fields. Every failure is a
 :class:`~omni_trio.errors.ConfigError` naming the source and the value's ``$``-path.
 
@@ -38,6 +39,7 @@ from .options import (
 )
 from .pd import pd_pairs
 from .pipeline import PipelineConfig
+from .resources import check_resources
 from .stage import PLACEMENTS, StageConfig
 from .vllm_fields import check_vllm_stage
 
@@ -116,6 +118,7 @@ def validate(cfg: PipelineConfig, *, check_vllm: bool = True) -> None:
         _check_entry_hooks(st, i, src)
         check_stage(st, i, src, check_vllm=check_vllm)
     _check_placements(cfg.stages, src)
+    check_resources(cfg)
 
 
 #: the hooks only an entry stage may name (they act on the request's prompt)

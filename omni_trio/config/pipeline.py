@@ -111,6 +111,24 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, d
     sessions: Annotated[SessionsConfig, doc("live sessions' bounds (engine.open_session)")] = (
         msgspec.field(default_factory=SessionsConfig)
     )
+    capacities: Annotated[
+        dict[str, float],
+        doc(
+            "the totals the stages' resources are reserved from, by name, amounts >= 0; "
+            "cpu_cores and memory_gib default to what this process may use of the machine",
+            # the bounds are checked at load, naming each amount's path (config.resources):
+            # msgspec's own would name only the mapping
+            extra_json_schema={"propertyNames": {"minLength": 1}},
+        ),
+    ] = {}
+    max_requests_in_graph: Annotated[
+        Annotated[int, Meta(ge=1, le=MAX_SLOTS)] | None,
+        doc(
+            "requests in the pipeline at once, each counted from its admission until its "
+            "consumer took the final output or left; beyond it a request waits or is "
+            "refused as admission says (default: no limit)"
+        ),
+    ] = None
     source: str | None = None
 
     def __post_init__(self) -> None:

@@ -223,6 +223,17 @@ class StageConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         Placement | None,
         doc("where the replicas run (ray: as Ray actors); default: in this process"),
     ] = None
+    resources: Annotated[
+        dict[str, float],
+        doc(
+            "what each replica reserves, by name, from the pipeline's capacities before it "
+            "starts (cpu_cores, memory_gib, device_memory_fraction or a name of yours), "
+            "amounts > 0; not for Ray stages (Ray reserves placement.ray's); default: nothing",
+            # the bounds are checked at load, naming each amount's path (config.resources):
+            # msgspec's own would name only the mapping
+            extra_json_schema={"propertyNames": {"minLength": 1}},
+        ),
+    ] = {}
 
     def __post_init__(self) -> None:
         check_struct(self)  # built in Python: checked as a loaded file is

@@ -1,7 +1,14 @@
-"""Pipeline-level admission: at most ``max_requests_in_flight`` requests run at once.
+"""Pipeline-level admission: at most ``max_requests_in_flight`` requests run at once, and at
+most ``max_requests_in_graph`` are in the pipeline at once, counted until their consumer is
+done with them.
 
 One :class:`AdmissionGate` per engine. A request takes a slot when it is admitted and gives
-it back when it ends (:meth:`AdmissionGate.release`). At the limit, ``admission: wait`` queues
+it back when it ends (:meth:`AdmissionGate.release`). With ``max_requests_in_graph`` it also
+takes a :class:`GraphTicket`, which it holds longer: from its admission until its consumer
+took its final output or left (the request's stream releases it, :meth:`GraphTicket.release`,
+exactly once; closing the gate releases every ticket still held). A request is admitted when
+both a slot and a ticket are free, through one first-in first-out queue. At a limit,
+``admission: wait`` queues
 admissions first-in first-out (at most ``max_waiting`` of them) and ``admission: reject``
 refuses at once with :class:`~omni_trio.errors.EngineOverloadedError`. A freed slot goes
 straight to the first waiter, so a newcomer never overtakes the queue. ``pause()`` holds every
@@ -9,10 +16,11 @@ new admission (it waits, or is refused under ``reject``) while the requests in f
 ``resume()`` lets the waiters in, in order. ``close()`` fails every waiter with
 :class:`~omni_trio.errors.EngineClosedError`.
 
-The rule is two pure functions (:func:`decide`, :func:`grants`); the gate holds the counts
-and the parked tasks. A waiter is a parked trio task: cancelling it removes it from the queue
-at once (trio calls the abort function synchronously), so it leaves no trace. A waiter that
-was handed a slot and then cancelled before it ran passes the slot on to the next one.
+The rule is two pure functions (:func:`decide`, :func:`grants`); the gate holds the counts,
+the tickets and the parked tasks. A waiter is a parked trio task: cancelling it removes it
+from the queue at once (trio calls the abort function synchronously), so it leaves no
+trace. A waiter that was handed a slot (and a ticket) and then cancelled before it ran
+passes them on to the next one.
 """
 
 from __future__ import annotations
@@ -26,12 +34,20 @@ from trio.lowlevel import Abort, RaiseCancelT, Task
 
 from ..errors import EngineClosedError, EngineOverloadedError
 
-__all__ = ["AdmissionGate", "AdmissionStatistics", "Decision", "Policy", "decide", "grants"]
+__all__ = [
+    "AdmissionGate",
+    "AdmissionStatistics",
+    "Decision",
+    "GraphTicket",
+    "Policy",
+    "decide",
+    "grants",
+]
 
 #: what a request gets at the limit (the config's ``admission``)
 Policy = Literal["wait", "reject"]
 #: what a new admission gets: a slot now, a place in the queue, or a refusal and its reason
-Decision = Literal["admit", "wait", "full", "paused", "queue_full", "closed"]
+Decision = Literal["admit", "wait", "full", "graph_full", "paused", "queue_full", "closed"]
 
 
 def decide(
@@ -43,29 +59,72 @@ def decide(
     closed: bool,
     policy: Policy,
     max_waiting: int | None,
+    in_graph: int = 0,
+    graph_limit: int | None = None,
 ) -> Decision:
     """What a new admission gets. Pure.
 
-    A slot only when there is room, admission is not paused and nobody waits (waiters keep
-    their turn). Otherwise ``reject`` refuses (``paused`` or ``full``); ``wait`` queues it
-    unless ``max_waiting`` admissions already wait (``queue_full``).
+    A slot only when there is room (``in_flight`` under ``limit``, and ``in_graph`` under
+    ``graph_limit`` when there is one), admission is not paused and nobody waits (waiters
+    keep their turn). Otherwise ``reject`` refuses (``paused``, ``full`` or ``graph_full``);
+    ``wait`` queues it unless ``max_waiting`` admissions already wait (``queue_full``).
     """
     if closed:
         return "closed"
-    if not paused and in_flight < limit and waiting == 0:
+    graph_room = graph_limit is None or in_graph < graph_limit
+    if not paused and in_flight < limit and graph_room and waiting == 0:
         return "admit"
     if policy == "reject":
-        return "paused" if paused else "full"
+        if paused:
+            return "paused"
+        return "full" if in_flight >= limit else "graph_full"
     if max_waiting is not None and waiting >= max_waiting:
         return "queue_full"
     return "wait"
 
 
-def grants(*, in_flight: int, limit: int, waiting: int, paused: bool) -> int:
-    """How many waiters, first first, get a slot now. Pure."""
+def grants(
+    *,
+    in_flight: int,
+    limit: int,
+    waiting: int,
+    paused: bool,
+    in_graph: int = 0,
+    graph_limit: int | None = None,
+) -> int:
+    """How many waiters, first first, get a slot (and a ticket) now. Pure."""
     if paused:
         return 0
-    return max(0, min(waiting, limit - in_flight))
+    room = limit - in_flight
+    if graph_limit is not None:
+        room = min(room, graph_limit - in_graph)
+    return max(0, min(waiting, room))
+
+
+class GraphTicket:
+    """A request's place under ``max_requests_in_graph``, from its admission until its
+    consumer is done (see the module docstring). Only its gate makes one."""
+
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: AdmissionGate) -> None:
+        self._gate: AdmissionGate | None = gate
+
+    @property
+    def held(self) -> bool:
+        """True until it is released."""
+        return self._gate is not None
+
+    def release(self) -> None:
+        """Give the ticket back to its gate: the first waiter may now be admitted.
+        Synchronous; only the first call does anything (a request ends one way, but its
+        consumer, its stream and the engine's close may each call it)."""
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate._return_ticket(self)
+
+    def __repr__(self) -> str:
+        return f"<GraphTicket {'held' if self._gate is not None else 'released'}>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +138,12 @@ class AdmissionStatistics:
     paused: bool
     closed: bool
     limit: int
+    #: tickets held (``max_requests_in_graph``); None without that limit
+    in_graph: int | None = None
+    graph_limit: int | None = None
+    #: tickets handed out and released since the gate opened (each exactly once)
+    tickets_issued: int = 0
+    tickets_released: int = 0
 
 
 class AdmissionGate:
@@ -86,22 +151,37 @@ class AdmissionGate:
 
     ``policy`` is what an admission gets at the limit or while paused (``wait``: queue
     first-in first-out, ``reject``: :class:`EngineOverloadedError`); ``max_waiting`` bounds the
-    queue (None: no bound). Raises ValueError for a limit below 1 or a negative max_waiting.
+    queue (None: no bound); ``graph_limit`` is ``max_requests_in_graph`` (None: no tickets).
+    Raises ValueError for a limit or graph_limit below 1 or a negative max_waiting.
     """
 
     __slots__ = (
         "_closed",
+        "_graph_limit",
         "_in_flight",
+        "_issued",
         "_limit",
         "_max_waiting",
         "_paused",
         "_policy",
+        "_released",
+        "_tickets",
         "_waiters",
     )
 
-    def __init__(self, limit: int, policy: Policy = "wait", max_waiting: int | None = None) -> None:
+    def __init__(
+        self,
+        limit: int,
+        policy: Policy = "wait",
+        max_waiting: int | None = None,
+        graph_limit: int | None = None,
+    ) -> None:
         if limit < 1:
             raise ValueError(f"limit (max_requests_in_flight) must be at least 1, not {limit}")
+        if graph_limit is not None and graph_limit < 1:
+            raise ValueError(
+                f"graph_limit (max_requests_in_graph) must be None or at least 1, not {graph_limit}"
+            )
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be None or at least 0, not {max_waiting}")
         if policy not in ("wait", "reject"):
@@ -114,45 +194,52 @@ class AdmissionGate:
         self._waiters: dict[Task, None] = {}
         self._paused = False
         self._closed = False
+        self._graph_limit = graph_limit
+        # the tickets held now (a dict keeps the order they were issued in)
+        self._tickets: dict[GraphTicket, None] = {}
+        self._issued = 0
+        self._released = 0
 
     # -- admission -------------------------------------------------------------------------
-    def admit_nowait(self) -> None:
-        """Take a slot now. Synchronous. Raises ``trio.WouldBlock`` when the admission would
+    def admit_nowait(self) -> GraphTicket | None:
+        """Take a slot now, and a ticket with ``max_requests_in_graph`` (returned; None
+        without that limit). Synchronous. Raises ``trio.WouldBlock`` when the admission would
         have to wait (nothing is taken), :class:`EngineOverloadedError` when it is refused
-        (``reject`` at the limit or paused, or ``max_waiting`` admissions already wait),
+        (``reject`` at a limit or paused, or ``max_waiting`` admissions already wait),
         :class:`EngineClosedError` after :meth:`close`."""
         # the common case first, without building a decision: room, nobody waits, open
         if (
             self._in_flight < self._limit
+            and self._graph_limit is None
             and not self._waiters
             and not self._paused
             and not self._closed
         ):
             self._in_flight += 1
-            return
+            return None
         decision = self._decide()
-        if decision == "admit":  # pragma: no cover - the common case above took it
-            self._in_flight += 1
-        elif decision == "wait":
+        if decision == "admit":
+            return self._take()
+        if decision == "wait":
             raise trio.WouldBlock
-        else:
-            raise self._refusal(decision)
+        raise self._refusal(decision)
 
-    async def admit(self) -> None:
-        """Take a slot, waiting first-in first-out for one under ``wait``.
+    async def admit(self) -> GraphTicket | None:
+        """Take a slot (and a ticket, see :meth:`admit_nowait`), waiting first-in first-out
+        for them under ``wait``.
 
-        Always checkpoints. Cancelled before it takes a slot (also while it waits, also when
-        a slot was handed to it just before the cancellation reached it), it holds nothing
-        and is no longer counted; a slot handed to it passes to the next waiter. Raises
+        Always checkpoints. Cancelled before it takes them (also while it waits, also when
+        they were handed to it just before the cancellation reached it), it holds nothing
+        and is no longer counted; what was handed to it passes to the next waiter. Raises
         :class:`EngineOverloadedError` when refused (see :meth:`admit_nowait`),
         :class:`EngineClosedError` after :meth:`close`, also when it closes while waiting.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         decision = self._decide()
         if decision == "admit":
-            self._in_flight += 1
+            taken = self._take()
             await trio.lowlevel.cancel_shielded_checkpoint()
-            return
+            return taken
         if decision != "wait":
             await trio.lowlevel.cancel_shielded_checkpoint()
             raise self._refusal(decision)
@@ -164,15 +251,36 @@ class AdmissionGate:
             del self._waiters[task]
             return Abort.SUCCEEDED
 
-        # rescheduled by _wake (the slot is ours, counted) or by close (raises)
-        await trio.lowlevel.wait_task_rescheduled(abort)
+        # rescheduled by _wake (the slot and the ticket are ours, counted) or by close
+        # (raises)
+        ticket: GraphTicket | None = await trio.lowlevel.wait_task_rescheduled(abort)
         try:
             # a cancellation that came after the hand-over, before this task ran: the caller
-            # no longer wants the slot, so the next waiter gets it
+            # no longer wants them, so the next waiter gets them
             await trio.lowlevel.checkpoint_if_cancelled()
         except BaseException:
+            if ticket is not None:
+                ticket.release()
             self.release()
             raise
+        return ticket
+
+    def _take(self) -> GraphTicket | None:
+        # a slot, and a ticket under max_requests_in_graph; decide() said there is room
+        self._in_flight += 1
+        if self._graph_limit is None:
+            return None
+        ticket = GraphTicket(self)
+        self._tickets[ticket] = None
+        self._issued += 1
+        return ticket
+
+    def _return_ticket(self, ticket: GraphTicket) -> None:
+        # GraphTicket.release, once per ticket
+        del self._tickets[ticket]
+        self._released += 1
+        if self._waiters:
+            self._wake()
 
     def release(self) -> None:
         """Give back one slot (a request ended); it goes to the first waiter, if any and not
@@ -197,14 +305,17 @@ class AdmissionGate:
             self._wake()
 
     def close(self) -> None:
-        """Refuse every later admission and fail every waiter with
-        :class:`EngineClosedError`. Synchronous, idempotent; slots taken can still be
+        """Refuse every later admission, fail every waiter with :class:`EngineClosedError`
+        and release every ticket still held (their requests' streams may still be read; a
+        later release of one is a no-op). Synchronous, idempotent; slots taken can still be
         released."""
         self._closed = True
         waiters, self._waiters = self._waiters, {}
         for task in waiters:
             error = EngineClosedError("the engine closed while the request waited for admission")
             trio.lowlevel.reschedule(task, outcome.Error(error))
+        for ticket in list(self._tickets):
+            ticket.release()
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -219,14 +330,23 @@ class AdmissionGate:
     def paused(self) -> bool:
         return self._paused
 
+    @property
+    def in_graph(self) -> int | None:
+        """Tickets held (``max_requests_in_graph``); None without that limit."""
+        return None if self._graph_limit is None else len(self._tickets)
+
     def statistics(self) -> AdmissionStatistics:
-        """A frozen snapshot: slots taken, waiters, paused, closed, the limit."""
+        """A frozen snapshot: slots taken, waiters, paused, closed, the limit, the tickets."""
         return AdmissionStatistics(
             in_flight=self._in_flight,
             waiting=len(self._waiters),
             paused=self._paused,
             closed=self._closed,
             limit=self._limit,
+            in_graph=self.in_graph,
+            graph_limit=self._graph_limit,
+            tickets_issued=self._issued,
+            tickets_released=self._released,
         )
 
     def _decide(self) -> Decision:
@@ -238,6 +358,8 @@ class AdmissionGate:
             closed=self._closed,
             policy=self._policy,
             max_waiting=self._max_waiting,
+            in_graph=len(self._tickets),
+            graph_limit=self._graph_limit,
         )
 
     def _wake(self) -> None:
@@ -246,12 +368,14 @@ class AdmissionGate:
             limit=self._limit,
             waiting=len(self._waiters),
             paused=self._paused,
+            in_graph=len(self._tickets),
+            graph_limit=self._graph_limit,
         )
         for _ in range(n):
             task = next(iter(self._waiters))
             del self._waiters[task]
-            self._in_flight += 1  # the slot is the waiter's from now: nobody can overtake it
-            trio.lowlevel.reschedule(task)
+            # the slot and the ticket are the waiter's from now: nobody can overtake it
+            trio.lowlevel.reschedule(task, outcome.Value(self._take()))
 
     def _refusal(self, decision: Decision) -> EngineClosedError | EngineOverloadedError:
         if decision == "closed":
@@ -267,6 +391,12 @@ class AdmissionGate:
                 f"(max_waiting) is {self._max_waiting} ({self._in_flight} in flight, "
                 f"max_requests_in_flight is {self._limit})"
             )
+        if decision == "graph_full":
+            return EngineOverloadedError(
+                f"{len(self._tickets)} requests in the pipeline (admitted, their consumers "
+                f"not done), the limit (max_requests_in_graph) is {self._graph_limit} and "
+                "admission is 'reject'"
+            )
         return EngineOverloadedError(
             f"{self._in_flight} requests in flight, the limit (max_requests_in_flight) is "
             f"{self._limit} and admission is 'reject'"
@@ -274,8 +404,13 @@ class AdmissionGate:
 
     def __repr__(self) -> str:
         bound = "" if self._max_waiting is None else f"/{self._max_waiting}"
+        graph = (
+            ""
+            if self._graph_limit is None
+            else f" in_graph={len(self._tickets)}/{self._graph_limit}"
+        )
         return (
-            f"<AdmissionGate {self._policy} in_flight={self._in_flight}/{self._limit} "
+            f"<AdmissionGate {self._policy} in_flight={self._in_flight}/{self._limit}{graph} "
             f"waiting={len(self._waiters)}{bound}"
             f"{' paused' if self._paused else ''}{' closed' if self._closed else ''}>"
         )

@@ -316,6 +316,10 @@ class Engine:
         start is bounded by the stage's ``stage_init_timeout``. Closing the engine cancels an
         add in flight (its stop bounded by ``shutdown_timeout``) and the close waits for it.
 
+        The stage's ``resources`` are reserved first: :class:`ResourceUnavailableError` (a
+        :class:`StageStartError`) when they do not fit in what is left of the capacities,
+        nothing started. Removing the replica gives its share back.
+
         Always checkpoints; cancelled, the start is cancelled and the stage unchanged.
         Raises :class:`StageStartError` naming the replica if it fails to start, overruns
         ``stage_init_timeout``, or is removed while it starts (the stage unchanged);
@@ -383,8 +387,9 @@ class Engine:
         return supported_tasks(self.stages)
 
     def statistics(self) -> EngineStatistics:
-        """A frozen snapshot: request counters, admissions waiting, paused, and every stage's
-        in-flight counts."""
+        """A frozen snapshot: request counters, admissions waiting, paused, requests holding
+        a ``max_requests_in_graph`` ticket, every stage's in-flight counts, and the resources
+        the replicas reserve (capacity and reserved)."""
         orch = self.orchestrator
         admission = orch.admission
         return EngineStatistics(
@@ -398,6 +403,8 @@ class Engine:
             requests_waiting=admission.waiting,
             paused=admission.paused,
             sessions=self._live.held,
+            requests_in_graph=admission.in_graph,
+            resources=self._stage_group.resources.statistics(),
         )
 
     def check_health(self) -> HealthReport:

@@ -10,11 +10,13 @@ terminal outputs (or its error) are queued to the consumer through the same queu
 other output, and nothing of the request remains here or in any stage.
 
 Admission goes through one :class:`~omni_trio.engine.admission.AdmissionGate`
-(``max_requests_in_flight``; at the limit wait first-in first-out or reject; pause/resume):
-``submit_nowait`` admits synchronously when there is room, ``submit`` waits for it; a request
-gives its slot back when its task ends. A request waiting for admission is a
-:class:`~omni_trio.request.state.WaitingRequest`: aborting it takes it out of the queue at once, it
-never runs, and its consumer gets its abort terminals as from any aborted request.
+(``max_requests_in_flight``, ``max_requests_in_graph``; at a limit wait first-in first-out or
+reject; pause/resume): ``submit_nowait`` admits synchronously when there is room, ``submit``
+waits for it; a request gives its slot back when its task ends, and its graph ticket (if
+any) when its consumer is done with it (the request holds the ticket's release). A request
+waiting for admission is a :class:`~omni_trio.request.state.WaitingRequest`: aborting it
+takes it out of the queue at once, it never runs, and its consumer gets its abort terminals
+as from any aborted request.
 
 The consumer gets a :class:`RequestHandle`: its outputs, cancel, cancel-and-wait, status. It never
 reads or writes the request's state.
@@ -44,7 +46,7 @@ from ..request.state import Request, RequestHandle, WaitingRequest
 from ..request.streaming_input import RequestInput
 from ..stages.pool import StagePool
 from ..stages.processors import InputProcessor, load_processor
-from .admission import AdmissionGate
+from .admission import AdmissionGate, GraphTicket
 
 __all__ = ["Orchestrator"]
 
@@ -65,7 +67,10 @@ class Orchestrator:
         self._ids = itertools.count()
         #: the admission limit, its queue and pause (``max_requests_in_flight``, ``admission``)
         self.admission = AdmissionGate(
-            config.max_requests_in_flight, config.admission, config.max_waiting
+            config.max_requests_in_flight,
+            config.admission,
+            config.max_waiting,
+            config.max_requests_in_graph,
         )
         self._processors: dict[str, InputProcessor] = {
             st.id: load_processor(
@@ -131,8 +136,10 @@ class Orchestrator:
         or ``max_waiting`` admissions already wait), DuplicateRequestError.
         """
         nursery = self._nursery_for(request_id)
-        self.admission.admit_nowait()
-        return self._start(nursery, self._new_request(request_id, first_input, plan, context))
+        ticket = self.admission.admit_nowait()
+        return self._start(
+            nursery, self._new_request(request_id, first_input, plan, context, ticket)
+        )
 
     async def submit(
         self,
@@ -163,13 +170,14 @@ class Orchestrator:
                 raise
             waiting = self._waiting[request_id] = WaitingRequest(context)
             admitted = False
+            ticket: GraphTicket | None = None
             with waiting.scope:
-                await self.admission.admit()
+                ticket = await self.admission.admit()
                 admitted = True
             if waiting.scope.cancel_called:
                 # aborted while it waited, or as its slot was handed over: it never runs
                 if admitted:
-                    self.admission.release()  # the slot goes to the next waiter, if any
+                    self._give_back(ticket)  # to the next waiter, if any
                 await remove_artifacts(context)
                 return self._end_unadmitted(
                     self._new_request(request_id, first_input, plan, context)
@@ -177,9 +185,11 @@ class Orchestrator:
             try:
                 nursery = self._open_nursery()  # the engine may have closed meanwhile
             except OmniTrioError:
-                self.admission.release()
+                self._give_back(ticket)
                 raise
-            return self._start(nursery, self._new_request(request_id, first_input, plan, context))
+            return self._start(
+                nursery, self._new_request(request_id, first_input, plan, context, ticket)
+            )
         except BaseException:
             await remove_artifacts(context)  # it never runs (a cancel-shielded checkpoint)
             raise
@@ -189,12 +199,19 @@ class Orchestrator:
                 del self._waiting[request_id]
                 waiting.leave()
 
+    def _give_back(self, ticket: GraphTicket | None) -> None:
+        # an admission that will not run: its slot and its ticket go to the next waiter
+        if ticket is not None:
+            ticket.release()
+        self.admission.release()
+
     def _new_request(
         self,
         request_id: str,
         first_input: StageInput,
         plan: RequestPlan,
         context: RequestContext,
+        ticket: GraphTicket | None = None,
     ) -> Request:
         # a request the engine took on (counted), about to run or to end unadmitted
         streamed_input = None
@@ -211,6 +228,7 @@ class Orchestrator:
             self.config.output_buffer,
             self._output,
             streamed_input,
+            None if ticket is None else ticket.release,
         )
 
     def _start(self, nursery: trio.Nursery, req: Request) -> RequestHandle:

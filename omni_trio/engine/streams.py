@@ -245,9 +245,11 @@ class RequestStream:
                 yield out
         finally:
             # a plain `async for` that stopped early: trio finalizes this generator, and the
-            # request must not keep running for nobody (finalizers cannot wait: async with can)
+            # request must not keep running for nobody (finalizers cannot wait: async with
+            # can); its consumer is gone, so its ticket goes back
             if not self._in_context and self._handle is not None:
                 self._handle.cancel()
+                self._handle.close_receiver()
 
     def __repr__(self) -> str:
         return (

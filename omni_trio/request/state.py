@@ -13,6 +13,10 @@ terminal outputs or the error to the consumer, through the same queue as every o
 :meth:`Request.cancel_and_wait` (shielded: leaving a stream keeps that promise); an abort's
 own wait (:meth:`Request.aborted`) is the caller's to cancel, and the abort, once committed,
 completes in the request's own task either way.
+
+A request admitted under ``max_requests_in_graph`` holds its ticket's release: it is
+called once, when the consumer is done with the request (it took the final item, the
+request ended and nothing is left to read; or it left, :meth:`Request.close_receiver`).
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class Request:
         "_queue",
         "_scope",
         "_stage_params",
+        "_ticket",
     )
 
     def __init__(
@@ -82,6 +87,7 @@ class Request:
         window: int,
         convert: Convert,
         streamed_input: RequestInput | None = None,
+        ticket: Callable[[], None] | None = None,
     ) -> None:
         # (request id, stage id, StageOutput) -> the OmniOutput a caller gets
         self._convert = convert
@@ -107,6 +113,9 @@ class Request:
         # params a stage runs with when they were set after the request was made
         self._kept_inputs: dict[str, StageInput] | None = None
         self._stage_params: dict[str, SamplingParams] | None = None
+        # releases the request's max_requests_in_graph ticket: called once, when the
+        # consumer is done (None: no ticket, or released)
+        self._ticket = ticket
 
     # -- what it is (set once) -----------------------------------------------------------------
     @property
@@ -320,11 +329,14 @@ class Request:
     async def next_output(self) -> OmniOutput:
         """The next output the consumer gets, terminals included. Always checkpoints. Raises
         ``StopAsyncIteration`` after the last one (the async iterator protocol), or the
-        request's error if it failed."""
+        request's error if it failed. Taking the last item releases the request's ticket."""
         try:
             item = await self._queue.receive()
         except trio.EndOfChannel:
+            self._consumer_done()
             raise StopAsyncIteration from None
+        if self._ticket is not None and self._ended and not len(self._queue):
+            self._consumer_done()  # the final item: nothing is left to take
         if type(item) is tuple:
             return self._convert(self._lifecycle.request_id, item[0], item[1])
         if isinstance(item, outcome.Error):
@@ -334,8 +346,16 @@ class Request:
 
     def close_receiver(self) -> None:
         """The consumer stops reading: later outputs are dropped, and a stage delivering one
-        finds the consumer gone, which aborts the request. Synchronous."""
+        finds the consumer gone, which aborts the request; its ticket is released.
+        Synchronous."""
         self._queue.close_receiver()
+        self._consumer_done()
+
+    def _consumer_done(self) -> None:
+        # the consumer took the final item or left: the ticket goes back, once
+        release, self._ticket = self._ticket, None
+        if release is not None:
+            release()
 
     # -- its input from the consumer -------------------------------------------------------------
     async def send_input(self, segment: StageInput) -> None:

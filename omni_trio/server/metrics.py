@@ -23,6 +23,9 @@ Metric names (all prefixed ``omni_trio_``)::
     replica_restarts_total{stage,replica} / replica_failures_total{stage,replica}   counters
     admission_waiting                              gauge, admissions waiting for room
     engine_paused                                  gauge, 1 while admission is paused
+    requests_in_graph                              gauge, max_requests_in_graph tickets held
+                                                   (only with that limit)
+    resource_capacity{resource} / resource_reserved{resource}   gauges, the resource ledger
 
 The stage and replica gauges come from the engine's health report
 (:func:`~omni_trio.engine.health.assess_health` of the same snapshot), so ``/metrics`` and
@@ -97,6 +100,23 @@ def state_metrics(stats: EngineStatistics, without_output: int) -> Iterator[Metr
         "1 while admission is paused.",
         value=1 if stats.paused else 0,
     )
+    if stats.requests_in_graph is not None:
+        yield g(
+            "omni_trio_requests_in_graph",
+            "Requests holding a max_requests_in_graph ticket (admitted, consumer not done).",
+            value=stats.requests_in_graph,
+        )
+    if stats.resources:
+        capacity = g("omni_trio_resource_capacity", "A resource's capacity.", labels=["resource"])
+        reserved = g(
+            "omni_trio_resource_reserved",
+            "What the replicas reserve of a resource.",
+            labels=["resource"],
+        )
+        for r in stats.resources:
+            capacity.add_metric([r.resource], r.capacity)
+            reserved.add_metric([r.resource], r.reserved)
+        yield from (capacity, reserved)
     yield from _stage_metrics(stats)
 
 

@@ -24,6 +24,9 @@ The pools (what the engine uses):
   turn (restarts); :mod:`~omni_trio.stages.binding`: which replica runs each request;
   :mod:`~omni_trio.stages.balancing`: the balancing policies, as pure functions;
 - :mod:`~omni_trio.stages.group`: every stage's pool, started and stopped together;
+- :mod:`~omni_trio.stages.ledger`: the replicas' ``resources`` reserved against the
+  pipeline's ``capacities``, all or nothing; :mod:`~omni_trio.stages.machine`: this
+  process's share of the machine (the default ``cpu_cores`` and ``memory_gib``);
 - :mod:`~omni_trio.stages.fanout`: one ``collective_rpc`` on every replica of a stage;
 - :mod:`~omni_trio.stages.factory`: a replica's backend built from its stage's config.
 

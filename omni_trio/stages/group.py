@@ -8,6 +8,13 @@ cancellation, because the engine's requests must end before the stages they run 
 by its ``shutdown_timeout``); what did not stop cleanly is kept as one
 :class:`~omni_trio.errors.StageStopError` (:attr:`StageGroup.stop_error`) for the engine to
 raise after everything stopped.
+
+Before any replica starts, every replica's ``resources`` are reserved at once in the
+group's :class:`~omni_trio.stages.ledger.ResourceLedger` (:attr:`StageGroup.resources`,
+shared with the pools, which reserve an added replica's and give back a removed one's): a
+deployment that does not fit raises
+:class:`~omni_trio.errors.ResourceUnavailableError` and starts nothing. Every share is
+given back once the stages stopped.
 """
 
 from __future__ import annotations
@@ -19,10 +26,11 @@ from functools import partial
 import trio
 
 from ..config.pipeline import PipelineConfig
-from ..errors import StageStartError, StageStopError
+from ..errors import ResourceUnavailableError, StageStartError, StageStopError
 from ..failures import merge_start_errors, merge_stop_errors, single_leaf
 from ..outputs import StageStatistics
 from .factory import create_backend
+from .ledger import Ask, ResourceLedger
 from .pool import StagePool
 
 __all__ = ["StageGroup"]
@@ -33,8 +41,11 @@ logger = logging.getLogger(__name__)
 class StageGroup:
     """The stage pools of one pipeline. See the module docstring."""
 
-    def __init__(self, config: PipelineConfig) -> None:
+    def __init__(self, config: PipelineConfig, resources: ResourceLedger | None = None) -> None:
         self.config = config
+        #: what the replicas reserve of the capacities (default: the config's, the
+        #: machine's share read when a stage asks for cpu_cores or memory_gib)
+        self.resources = ResourceLedger.for_pipeline(config) if resources is None else resources
         # a backend that cannot be built names the config's file
         build = partial(create_backend, source=config.source)
         self.pools: dict[str, StagePool] = {
@@ -47,6 +58,7 @@ class StageGroup:
                 # one seed per stage: stages with the same replicas do not choose in lockstep
                 lb_seed=None if config.lb_seed is None else config.lb_seed + i,
                 factory=build,
+                resources=self.resources,
             )
             for i, st in enumerate(config.stages)
         }
@@ -58,10 +70,16 @@ class StageGroup:
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start every pool in parallel, report started, run (shielded) until :meth:`stop`,
-        then stop every pool. Checkpoints. Raises :class:`StageStartError` naming every stage
-        that failed to start (after stopping those that started); a stop failure is kept in
-        :attr:`stop_error`, not raised."""
+        then stop every pool. Checkpoints. Raises :class:`ResourceUnavailableError` before
+        starting anything when the replicas' resources do not fit the capacities;
+        :class:`StageStartError` naming every stage that failed to start (after stopping
+        those that started); a stop failure is kept in :attr:`stop_error`, not raised."""
         try:
+            try:
+                self.resources.reserve(self._initial_asks(), "nothing was started")
+            except ResourceUnavailableError:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                raise
             with trio.CancelScope() as scope:
                 self._scope = scope
                 try:
@@ -95,7 +113,17 @@ class StageGroup:
                         # or a bug: either way not ours to swallow
                         raise rest from None
         finally:
+            self.resources.release_all()
             self._stopped.set()
+
+    def _initial_asks(self) -> list[Ask]:
+        # every replica of every stage that reserves something, in config order
+        return [
+            (st.id, replica, st.resources)
+            for st in self.config.stages
+            if st.resources
+            for replica in range(st.replicas)
+        ]
 
     async def _start(self, pools: trio.Nursery) -> None:
         failures: list[StageStartError] = []

@@ -22,6 +22,12 @@ only waits for the outcome. A slot leaves the pool's list once: its supervising 
 it as it ends if it was being removed or was added and never joined; ``remove_replica`` drops
 a slot whose task had ended before the removal began (a replica dead for good).
 
+Resources. With a :class:`~omni_trio.stages.ledger.ResourceLedger` (the engine's), an added
+replica reserves its stage's ``resources`` before anything of it is built (refused, the pool
+is unchanged), and a slot gives its share back as it leaves the pool's list; the first
+replicas' shares are reserved by the :class:`~omni_trio.stages.group.StageGroup`, all at
+once. A restart keeps the index's share.
+
 Several children failing (starts, stops, RPCs) raise one typed error ``from`` an
 ``ExceptionGroup`` of every cause, as trio's ``open_tcp_stream`` does.
 """
@@ -40,6 +46,7 @@ from ..errors import (
     InvalidRequestError,
     OmniTrioError,
     ReplicaDeadError,
+    ResourceUnavailableError,
     StageStartError,
     StageStopError,
 )
@@ -50,6 +57,7 @@ from .balancing import Balancer
 from .binding import ReplicaBinder
 from .factory import BackendFactory, create_backend
 from .fanout import call_replicas
+from .ledger import ResourceLedger
 from .replica import DEFAULT_SHUTDOWN_TIMEOUT, is_cancellation
 from .replicas import ReplicaSlot, RestartRule
 
@@ -126,7 +134,9 @@ class StagePool:
     :class:`~omni_trio.stages.group.StageGroup` bounds the first start with it); ``lb_policy``
     (the pipeline's) is the balancing policy unless the stage sets its own; ``lb_seed`` seeds
     the ``random`` policy; ``factory`` builds each replica's backend (default
-    :func:`create_backend`), for the first start, restarts and added replicas alike.
+    :func:`create_backend`), for the first start, restarts and added replicas alike;
+    ``resources`` is the engine's ledger an added replica reserves from (see the module
+    docstring; None: nothing is reserved).
     """
 
     def __init__(
@@ -139,8 +149,11 @@ class StagePool:
         lb_seed: int | None = None,
         factory: BackendFactory = create_backend,
         stage_init_timeout: float = math.inf,
+        resources: ResourceLedger | None = None,
     ) -> None:
         self.config = config
+        # what an added replica reserves first (the stage's asks; None: nothing)
+        self._resources = resources if config.resources else None
         self.stage_id = config.id
         self.stage_index = stage_index
         self._shutdown_timeout = shutdown_timeout
@@ -309,10 +322,12 @@ class StagePool:
 
         Always checkpoints. Cancelled, the start is cancelled (or the replica stopped, if it
         was ready that instant) and the pool is unchanged once the cancellation propagates.
-        Raises :class:`StageStartError` naming the replica if it fails to start, overruns
-        ``stage_init_timeout`` or is removed (:meth:`remove_replica`) while it starts (the
-        pool unchanged); :class:`EngineClosedError` if the pool is not serving, or stops
-        while the replica starts (it is not added).
+        Raises :class:`ResourceUnavailableError` if its ``resources`` do not fit in what is
+        left of the capacities (nothing built, the pool unchanged); :class:`StageStartError`
+        naming the replica if it fails to start, overruns ``stage_init_timeout`` or is
+        removed (:meth:`remove_replica`) while it starts (the pool unchanged);
+        :class:`EngineClosedError` if the pool is not serving, or stops while the replica
+        starts (it is not added).
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         nursery = self._nursery
@@ -320,10 +335,19 @@ class StagePool:
             await trio.lowlevel.cancel_shielded_checkpoint()
             raise EngineClosedError(f"stage {self.stage_id!r} is not serving; cannot add a replica")
         index = self._next_index
+        if self._resources is not None:
+            try:
+                self._resources.reserve(
+                    [(self.stage_id, index, self.config.resources)], "the replica was not added"
+                )
+            except ResourceUnavailableError:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                raise
         self._next_index += 1
         try:
             backend = self._new_backend(index)
         except Exception as exc:
+            self._release(index)
             await trio.lowlevel.cancel_shielded_checkpoint()
             raise StageStartError(
                 self.stage_id,
@@ -417,7 +441,13 @@ class StagePool:
     def _drop(self, slot: ReplicaSlot) -> None:
         # the one way a slot leaves the pool's list (see the module docstring's ownership)
         self._slots.remove(slot)
+        self._release(slot.index)
         self._changed()
+
+    def _release(self, index: int) -> None:
+        # replica `index` no longer needs its share of the resources (a no-op if it has none)
+        if self._resources is not None:
+            self._resources.release(self.stage_id, index)
 
     def _changed(self) -> None:
         # a replica became ready, restarting, dead, draining, or joined or left the pool

@@ -24,6 +24,11 @@ def in_flight_problems(engine: Engine) -> list[str]:
         problems.append(f"{stats.requests_in_flight} request(s) in flight in the orchestrator")
     if stats.requests_waiting:
         problems.append(f"{stats.requests_waiting} admission(s) waiting (max_requests_in_flight)")
+    if stats.requests_in_graph:
+        problems.append(
+            f"{stats.requests_in_graph} graph ticket(s) held (max_requests_in_graph): a "
+            "consumer that left or took its final output still counts"
+        )
     for st in stats.stages:
         if st.requests_in_flight:
             problems.append(f"stage {st.stage_id!r}: {st.requests_in_flight} bound request(s)")

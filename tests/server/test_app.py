@@ -6,6 +6,8 @@ import io
 import json
 import re
 import wave
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 
 import httpx
@@ -193,23 +195,33 @@ async def test_a_speech_request_the_engine_fails_is_a_json_error_not_a_cut_conne
         assert r.status_code == 200
 
 
-async def test_overload_is_429_and_the_openai_client_sees_a_rate_limit_error():
-    cfg = scripted_pipeline(
-        ["thinker"],
-        name="scripted",
-        hang=True,
-        engine_options={"max_requests_in_flight": 1, "admission": "reject"},
+def hanging_and_full(**limits: object) -> omni_trio.PipelineConfig:
+    """One hanging scripted stage under ``limits``, refusing what does not fit."""
+    return scripted_pipeline(
+        ["thinker"], name="scripted", hang=True, engine_options={**limits, "admission": "reject"}
     )
+
+
+@asynccontextmanager
+async def one_admitted_stream(http: httpx.AsyncClient, body: dict) -> AsyncIterator[None]:
+    """A streamed chat request, admitted (its role chunk read), open until the block ends."""
+    async with http.stream("POST", "/v1/chat/completions", json=body) as first:
+        assert first.status_code == 200
+        # keep the line iterator referenced: a dropped one is finalized, which closes the
+        # response, which the server rightly takes as a disconnect (an abort)
+        lines = first.aiter_lines()
+        async for line in lines:
+            if line.startswith("data: "):  # the role chunk: admitted
+                break
+        yield
+        del lines
+
+
+async def test_overload_is_429_and_the_openai_client_sees_a_rate_limit_error():
+    cfg = hanging_and_full(max_requests_in_flight=1)
     async with running_server(cfg) as (engine, base), client_for(base) as http:
         body = {"model": "scripted", "messages": MSG, "stream": True}
-        async with http.stream("POST", "/v1/chat/completions", json=body) as first:
-            assert first.status_code == 200
-            # keep the line iterator referenced: a dropped one is finalized, which closes
-            # the response, which the server rightly takes as a disconnect (an abort)
-            lines = first.aiter_lines()
-            async for line in lines:
-                if line.startswith("data: "):  # the role chunk: admitted
-                    break
+        async with one_admitted_stream(http, body):
             r = await http.post("/v1/chat/completions", json=body)
             assert r.status_code == 429
             assert r.json()["error"]["type"] == "rate_limit_error"
@@ -221,7 +233,19 @@ async def test_overload_is_429_and_the_openai_client_sees_a_rate_limit_error():
             assert engine.statistics().requests_in_flight == 1
         await wait_until_idle(engine)
         assert engine.statistics().requests_aborted == 1
-        del lines
+
+
+async def test_a_full_graph_under_reject_is_429_naming_max_requests_in_graph():
+    cfg = hanging_and_full(max_requests_in_graph=1)
+    async with running_server(cfg) as (engine, base), client_for(base) as http:
+        body = {"model": "scripted", "messages": MSG, "stream": True}
+        async with one_admitted_stream(http, body):
+            r = await http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 429
+            assert "max_requests_in_graph" in r.json()["error"]["message"]
+            assert engine.statistics().requests_in_graph == 1
+        await wait_until_idle(engine)
+        assert engine.statistics().requests_in_graph == 0  # the disconnect gave it back
 
 
 async def test_stage_failure_is_500_and_affects_only_that_request():

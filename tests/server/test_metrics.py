@@ -114,3 +114,25 @@ async def test_each_engine_has_its_own_registry(autojump_clock):
         s.name for fam in REGISTRY.collect() for s in fam.samples
     }
     assert "tracking=0" in repr(m1)
+
+
+async def test_the_graph_tickets_and_the_resource_ledger_are_gauges(autojump_clock):
+    cfg = omni_trio.load_config(
+        scripted_pipeline(["a"], outputs=2, engine_options={"max_requests_in_graph": 2}),
+        capacities={"gpu_slots": 4},
+        stage_overrides={"a": {"resources": {"gpu_slots": 1.5}, "replicas": 2}},
+    )
+    async with omni_trio.open_engine(cfg) as engine:
+        m = EngineMetrics(engine)
+        async with engine.generate("x") as stream:
+            got = scrape(m)
+            assert got[("omni_trio_requests_in_graph", ())] == 1
+            await stream.collect()
+        got = scrape(m)
+        assert got[("omni_trio_requests_in_graph", ())] == 0
+        assert got[("omni_trio_resource_capacity", (("resource", "gpu_slots"),))] == 4
+        assert got[("omni_trio_resource_reserved", (("resource", "gpu_slots"),))] == 3
+    # without the keys, neither family is there
+    async with omni_trio.open_engine(scripted_pipeline(["a"])) as engine:
+        names = {name for name, _ in scrape(EngineMetrics(engine))}
+    assert not {"omni_trio_requests_in_graph", "omni_trio_resource_capacity"} & names
