@@ -298,3 +298,33 @@ async def test_a_request_the_pair_cannot_take_is_refused(autojump_clock, kwargs,
         assert phrase in str(info.value)
         assert not only(engine, "p").sampling and engine.statistics().requests_total == 0
         assert (await engine.generate("hey").collect())[-1].finished  # nothing else affected
+
+
+async def test_cancel_at_every_checkpoint_of_pd_requests_with_the_graph_gate_held(autojump_clock):
+    # one ticket for the whole graph (max_requests_in_graph: 1), two PD requests: wherever
+    # the cancellation lands, each admitted request's ticket is released exactly once
+    cfg = pipeline({"latency_s": 0.1}, {"latency_s": 0.1}, max_requests_in_graph=1)
+
+    async def read(engine: omni_trio.Engine, prompt: str) -> None:
+        async with engine.generate(prompt, sampling_params={"d": GREEDY}) as stream:
+            outs = [out async for out in stream]
+            assert outs[-1].finished
+
+    async def scenario(engine: omni_trio.Engine) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read, engine, "first")
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(read, engine, "second")
+
+    def tickets_balanced(engine: omni_trio.Engine) -> None:
+        stats = engine.orchestrator.admission.statistics()
+        assert stats.in_graph == 0, f"{stats.in_graph} ticket(s) held"
+        assert stats.tickets_issued == stats.tickets_released
+
+    async with omni_trio.open_engine(cfg) as engine:
+        report = await cancel_at_every_checkpoint(engine, scenario, invariant=tickets_balanced)
+        report.raise_if_failed()
+        assert report.runs == report.checkpoints + 1 >= 10
+        stats = engine.orchestrator.admission.statistics()
+        assert stats.tickets_issued > report.runs  # the second request ran in most runs
+        assert_nothing_in_flight(engine)
