@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.testing
 
 import omni_trio
 from omni_trio import InvalidRequestError, ReplicaDeadError, StageError
