@@ -235,10 +235,6 @@ def test_load_errors_name_the_option(tmp_path: Path, tiny_diffusion: Path) -> No
     with pytest.raises(ConfigError, match=r"no model_index\.json") as info:
         load_denoise_model(DiffusionOptions(model=str(tmp_path)), where="$.s")
     assert info.value.path == "$.s.model"
-    offload = DiffusionOptions(model=str(tmp_path), enable_model_cpu_offload=True)
-    with pytest.raises(ConfigError, match="accelerator") as info:
-        load_denoise_model(offload, where="$.s")
-    assert info.value.path == "$.s.enable_model_cpu_offload"
     with pytest.raises(ConfigError, match="cannot move to device 'nowhere'") as info:
         load_denoise_model(DiffusionOptions(model=str(tiny_diffusion), device="nowhere"))
     assert info.value.path == "$.device"
