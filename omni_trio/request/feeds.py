@@ -249,9 +249,12 @@ class StageFeed:
         checkpoints per output. A downstream stage that stopped reading closes the feed."""
         if self._closed:
             return
-        if self._observers:
+        observers = self._observers
+        nbytes, ready = 0, 0.0
+        if observers:
             nbytes = payload_nbytes(chunk.token_ids, chunk.prompt, chunk.data)
-            self._observers.emit("transfer", self.request_id, source, self.stage_id, nbytes)
+            observers.emit("transfer", self.request_id, source, self.stage_id, nbytes)
+            ready = observers.clock()
         assert self._send is not None, "a deferred feed sends nothing: its stage starts later"
         try:
             try:
@@ -263,6 +266,13 @@ class StageFeed:
             # or it ended otherwise (then the request's scope is cancelled, or it failed and
             # the request is failing). Either way nothing more goes there.
             self._closed = True
+            return
+        if observers:
+            seconds = observers.clock() - ready
+            tokens = len(chunk.token_ids)
+            observers.emit(
+                "transfer_sent", self.request_id, source, self.stage_id, nbytes, tokens, seconds
+            )
 
     async def send_final(self, chunk: StageInput | None) -> None:
         """Send the last chunk (if any) and close the downstream input. Checkpoints only when

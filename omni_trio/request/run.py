@@ -28,11 +28,13 @@ replica aborts it; nothing here decides the request's outcome.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 
 import trio
 
 from ..config.pipeline import PipelineConfig
+from ..context import RequestContext
 from ..errors import OmniTrioError, StageAborted
 from ..observer import ObserverSet
 from ..outputs import StageInput, StageOutput
@@ -283,13 +285,18 @@ class StageRunner:
         rid = req.request_id
         try:
             with inputs:
+                waited = 0.0
                 try:
                     backend = pool.bind_nowait(rid)
                 except trio.WouldBlock:
                     # no replica takes it now: wait (FIFO) for a slot or a restarting one
+                    waited = self.observers.clock()
                     backend = await pool.bind(rid)
+                    waited = self.observers.clock() - waited
                 try:
                     context = req.context
+                    if self.observers:
+                        context = self._observed(req, sid, backend.replica, waited)
                     if context.companions and sid == context.companion_stage:
                         await run_with_companions(
                             req, pool, backend, sid, feeds, inputs, emit, streamed
@@ -314,6 +321,16 @@ class StageRunner:
         else:
             return True
         return False
+
+    def _observed(self, req: Request, sid: str, replica: int, waited: float) -> RequestContext:
+        """Tell the observers the stage bound the request; the context its backend gets
+        (with the tracing headers of its stage span when a tracer gives them). Synchronous."""
+        observers = self.observers
+        observers.emit("stage_bound", req.request_id, sid, replica, waited)
+        headers = observers.trace_headers(req.request_id, sid)
+        if headers is None:
+            return req.context
+        return replace(req.context, trace_headers=headers)
 
     async def _run_backend(
         self,

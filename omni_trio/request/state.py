@@ -28,6 +28,7 @@ import trio
 from ..context import RequestContext
 from ..errors import InvalidRequestError, OmniTrioError, StageError
 from ..failures import request_error
+from ..observer import ObserverSet
 from ..outputs import FINISH_ABORT, OmniOutput, SamplingParams, StageInput, StageOutput
 from ..transport.queue import OutputQueue
 from .feeds import StageInputs, WholeInput
@@ -65,6 +66,7 @@ class Request:
         "_first_input",
         "_input",
         "_lifecycle",
+        "_observers",
         "_plan",
         "_produced",
         "_queue",
@@ -80,7 +82,10 @@ class Request:
         window: int,
         convert: Convert,
         streamed_input: RequestInput | None = None,
+        observers: ObserverSet | None = None,
     ) -> None:
+        # told of an abort request and of a stage's failure (tracing), when any watch
+        self._observers = observers
         # (request id, stage id, StageOutput) -> the OmniOutput a caller gets
         self._convert = convert
         self._plan = plan
@@ -116,6 +121,11 @@ class Request:
     def context(self) -> RequestContext:
         """What it carries (prompt, sampling params, options, companions, artifacts)."""
         return self._context
+
+    @property
+    def first_input(self) -> StageInput:
+        """The entry stages' input as the request came (its first segment when streamed)."""
+        return self._first_input
 
     def sampling_params(self, stage_id: str) -> SamplingParams:
         """Stage ``stage_id``'s sampling params. Synchronous."""
@@ -172,6 +182,8 @@ class Request:
     def request_abort(self) -> None:
         """Abort: cancel the request's scope. Synchronous; a no-op once it ended."""
         if self._lifecycle.request_abort():
+            if self._observers:
+                self._observers.emit("abort_requested", self.request_id)
             self._scope.cancel()
 
     def fail(self, stage_id: str, exc: BaseException) -> None:
@@ -200,6 +212,8 @@ class Request:
                 error,
             )
         self._lifecycle.fail(error)
+        if self._observers:
+            self._observers.emit("stage_error", self.request_id, stage_id, error)
         self._scope.cancel()
 
     def record(self, stage_id: str, out: StageOutput) -> None:
