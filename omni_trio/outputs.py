@@ -158,6 +158,10 @@ class EngineStatistics:
     #: live sessions holding a slot (open, detached, or closing until their stages dropped
     #: their requests)
     sessions: int = 0
+    #: of them, detached ones (waiting for a resume)
+    sessions_detached: int = 0
+    #: live sessions opened since the engine started
+    sessions_opened: int = 0
 
     @property
     def stage_requests_in_flight(self) -> int:

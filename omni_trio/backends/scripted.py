@@ -20,6 +20,10 @@ Options (under the stage's ``options:``):
                                 request waits this long, shielded, before it lets the
                                 cancellation through (a real engine's slow abort)
 ``token_offset`` (int, 1)       see below
+``audio_samples`` (int, 0)      each output carries this many samples of silence as ``data``
+                                (a tuple of floats) and ``metrics["sample_rate"]``: an audio
+                                stage with known packet lengths (0: no audio)
+``sample_rate`` (int, 16000)    the sample rate those outputs report
 ``record`` (int|false, 10000)   how many entries the records below keep (the most recent);
                                 ``false``: none, so a long-running scripted server stays flat
 
@@ -189,15 +193,23 @@ def scripted_tokens(inputs: Sequence[int], n_outputs: int, offset: int = 1) -> l
 
 
 def _whole(
-    stage_id: str, tokens: Sequence[int], reason: str, k: int, prompt: Sequence[int]
+    stage_id: str,
+    tokens: Sequence[int],
+    reason: str,
+    k: int,
+    prompt: Sequence[int],
+    audio: tuple[float, ...] | None = None,
+    audio_metrics: dict[str, object] | None = None,
 ) -> StageOutput:
-    """A finished output carrying ``tokens`` (none: an empty stop output). Pure."""
+    """A finished output carrying ``tokens`` (none: an empty stop output) and, for an audio
+    stage, a packet's samples per token. Pure."""
     return StageOutput(
         token_ids=tuple(tokens),
         text="".join(f"{stage_id}:{token} " for token in tokens),
+        data=audio * len(tokens) if audio and tokens else None,
         finished=True,
         finish_reason=reason,
-        metrics={"output_index": k, "prompt_token_ids": tuple(prompt)},
+        metrics={"output_index": k, "prompt_token_ids": tuple(prompt), **(audio_metrics or {})},
     )
 
 
@@ -241,6 +253,12 @@ class ScriptedBackend(StageBackend):
         self.interactions: _Recent[Any] = _Recent(limit)
         self._live: dict[str, _Live] = {}
         self.requests_seen = 0
+        # what every output of an audio stage carries (one shared tuple: no copy per output)
+        n = self.options.audio_samples
+        self._audio: tuple[float, ...] | None = (0.0,) * n if n else None
+        self._audio_metrics: dict[str, object] | None = (
+            {"sample_rate": self.options.sample_rate} if n else None
+        )
 
     async def _start(self) -> None:
         await trio.sleep(self.options.start_delay_s)
@@ -335,17 +353,34 @@ class ScriptedBackend(StageBackend):
                 if final_only:
                     held.append(token)
                     if last:
-                        await emit(_whole(self.stage_id, held, "length", k, tokens))
+                        await emit(
+                            _whole(
+                                self.stage_id,
+                                held,
+                                "length",
+                                k,
+                                tokens,
+                                self._audio,
+                                self._audio_metrics,
+                            )
+                        )
                 else:
+                    audio_metrics = self._audio_metrics
                     out = StageOutput(
                         token_ids=(token,),
                         text=f"{self.stage_id}:{token} ",
+                        data=self._audio,
                         finished=last,
                         finish_reason="length" if last else None,
-                        # metrics once per request, on its finished output (as vllm's)
-                        metrics={"output_index": k, "prompt_token_ids": tuple(tokens)}
+                        # metrics once per request, on its finished output (as vllm's); an
+                        # audio packet says its sample rate
+                        metrics={
+                            "output_index": k,
+                            "prompt_token_ids": tuple(tokens),
+                            **(audio_metrics or {}),
+                        }
                         if last
-                        else None,
+                        else audio_metrics,
                     )
                     if nowait is None or not nowait(out):
                         await emit(out)

@@ -85,6 +85,13 @@ class ScriptedOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
         Meta(ge=0, description="trio-clock seconds a request's abort cleanup takes (shielded)"),
     ] = 0.0
     token_offset: Annotated[int, Meta(description="added to every token id per hop")] = 1
+    audio_samples: Annotated[
+        int,
+        Meta(ge=0, description="samples (silence) each output carries as audio data; 0: none"),
+    ] = 0
+    sample_rate: Annotated[
+        int, Meta(ge=1, description="the sample rate its audio outputs report (metrics)")
+    ] = 16_000
     record: Annotated[
         Annotated[int, Meta(ge=0)] | bool,
         Meta(

@@ -469,6 +469,8 @@ class Engine:
             requests_waiting=admission.waiting,
             paused=admission.paused,
             sessions=self._live.held,
+            sessions_detached=self._live.detached,
+            sessions_opened=self._live.opened_total,
         )
 
     def check_health(self) -> HealthReport:
