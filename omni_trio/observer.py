@@ -17,6 +17,16 @@ to run (the request ended first) has no ``stage_started``.
 Every hook has a no-op default, so an observer written against fewer hooks keeps working.
 :meth:`EngineObserver.stage_trace_headers` is the one hook that answers: a tracer returns the
 W3C headers of its stage span, which a vllm stage hands to vLLM.
+
+Routing. While an observer with :attr:`EngineObserver.routes_stages` true (the default, what
+every observer always got) is attached, every stage of a request runs with a routing task
+and starts with the request, and each output's ``stage_output`` comes as the orchestrator
+routes it. When every attached observer sets it false (the tracer, the timeline), requests
+run as without observers: a stage that takes its input whole starts (``stage_started``,
+its input's ``transfer``) once that input is complete, and the outputs of a stage that has no
+routing task (an output stage feeding no other stage, a stage nobody streams) are reported
+once it ended, before its ``stage_finished``: ``stage_output`` for the first one with the
+time it came, then ``stage_delta`` for each.
 """
 
 from __future__ import annotations
@@ -25,8 +35,9 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
-__all__ = ["EngineObserver", "ObserverSet", "RequestInfo", "payload_nbytes"]
+__all__ = ["EngineObserver", "ObserverSet", "RequestInfo", "Transfer", "payload_nbytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +67,26 @@ class RequestInfo:
     input_bytes: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """A chunk handed from one stage to the next (``transfer_sent``)."""
+
+    source: str
+    target: str
+    #: approximate bytes (:func:`payload_nbytes`) and token ids it carried
+    nbytes: int
+    tokens: int
+    #: from the chunk ready to the downstream stage's input taking it (backpressure)
+    seconds: float
+
+
 class EngineObserver:
     """No-op base; every hook gets the request id and a ``time.perf_counter()`` timestamp."""
+
+    #: whether every stage must run with a routing task while this observer watches (see
+    #: the module docstring); an observer that needs no event per output as it is routed
+    #: sets it false and costs the requests almost nothing
+    routes_stages: ClassVar[bool] = True
 
     def request_info(self, request_id: str, info: RequestInfo, t: float) -> None:
         """Right before ``request_started``: the request's route and what it came with."""
@@ -81,19 +110,10 @@ class EngineObserver:
         """One output of the stage (a :class:`~omni_trio.outputs.StageOutput` delta), right
         after ``stage_output``. Do not keep it: it may hold a large array."""
 
-    def transfer_sent(
-        self,
-        request_id: str,
-        source: str,
-        target: str,
-        nbytes: int,
-        tokens: int,
-        seconds: float,
-        t: float,
-    ) -> None:
-        """A chunk of ``nbytes`` (``tokens`` token ids) went from ``source`` to ``target``:
-        the downstream stage's input took it ``seconds`` after it was ready (backpressure).
-        A chunk the downstream stage no longer reads is not reported."""
+    def transfer_sent(self, request_id: str, transfer: Transfer, t: float) -> None:
+        """A chunk went from one stage to the next (:class:`Transfer`: which, its size, how
+        long the downstream stage's input took to take it). A chunk the downstream stage no
+        longer reads is not reported."""
 
     def stage_error(self, request_id: str, stage_id: str, error: BaseException, t: float) -> None:
         """Stage ``stage_id`` failed the request with ``error`` (the request ends failed)."""
@@ -121,16 +141,22 @@ class ObserverSet:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self._observers: list[EngineObserver] = []
         self._hooks: _Hooks = {}
+        #: whether an attached observer needs every stage routed (see the module docstring)
+        self.routes = False
         #: what every timestamp and duration the observers get is read from
         self.clock = clock
 
     def add(self, observer: EngineObserver) -> None:
         self._observers.append(observer)
-        self._hooks.clear()
+        self._changed()
 
     def remove(self, observer: EngineObserver) -> None:
         self._observers.remove(observer)
+        self._changed()
+
+    def _changed(self) -> None:
         self._hooks.clear()
+        self.routes = any(getattr(obs, "routes_stages", True) for obs in self._observers)
 
     def __bool__(self) -> bool:
         return bool(self._observers)
@@ -158,11 +184,12 @@ class ObserverSet:
             self.remove(obs)
 
     def emit(self, hook: str, *args: object) -> None:
-        methods = self._methods(hook)
-        if not methods:
-            return
-        t = self.clock()
-        for obs, method in list(methods):
+        if self._methods(hook):
+            self.emit_at(self.clock(), hook, *args)
+
+    def emit_at(self, t: float, hook: str, *args: object) -> None:
+        """:meth:`emit` with the time the event happened (an event reported later)."""
+        for obs, method in list(self._methods(hook)):
             try:
                 method(*args, t)
             except Exception:

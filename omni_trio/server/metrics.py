@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 
 from ..audio import sample_rate_of
 from ..engine.health import assess_health
-from ..observer import EngineObserver
+from ..observer import EngineObserver, Transfer
 from ..outputs import EngineStatistics, ReplicaState, StageOutput
 from ..telemetry.audio_slo import AudioStream, audio_samples
 
@@ -464,18 +464,10 @@ class EngineMetrics(EngineObserver):
         self.transfers.labels(source, target).inc()
         self.transfer_bytes.labels(source, target).inc(nbytes)
 
-    def transfer_sent(
-        self,
-        request_id: str,
-        source: str,
-        target: str,
-        nbytes: int,
-        tokens: int,
-        seconds: float,
-        t: float,
-    ) -> None:
-        self.transfer_size.labels(source, target).observe(nbytes)
-        self.transfer_seconds.labels(source, target).observe(max(0.0, seconds))
+    def transfer_sent(self, request_id: str, transfer: Transfer, t: float) -> None:
+        edge = (transfer.source, transfer.target)
+        self.transfer_size.labels(*edge).observe(transfer.nbytes)
+        self.transfer_seconds.labels(*edge).observe(max(0.0, transfer.seconds))
 
     def __repr__(self) -> str:
         return f"<EngineMetrics tracking={len(self._started)} waiting={len(self._waiting)}>"

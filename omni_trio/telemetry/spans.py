@@ -23,7 +23,9 @@ when it waited), ``abort_requested`` and ``abort_committed`` (root), ``replica_w
 exception of a failed stage. A failed stage's span and the root have status ERROR.
 
 Every span ends exactly once: a stage's when it ends, whatever ended it, and whatever is
-still open when the request ends (a stage that never got to run has no span). The tracer
+still open when the request ends (a stage that never got to run has no span). A request
+sampled out (``sample_ratio``, or a caller's trace that is not sampled) gets no stage spans;
+its stages hand their engines its root's unsampled context. The tracer
 holds nothing of a request once it ended (:attr:`RequestTracer.open_spans` is 0 when idle).
 Hooks are synchronous and never checkpoint.
 """
@@ -49,7 +51,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from ..config.pipeline import PipelineConfig
-from ..observer import EngineObserver, RequestInfo, payload_nbytes
+from ..observer import EngineObserver, RequestInfo, Transfer, payload_nbytes
 from ..outputs import StageOutput
 from .settings import TracingSettings
 
@@ -90,11 +92,13 @@ class _StageRun:
 class _RequestSpans:
     """One request's root span and its open stage spans."""
 
-    __slots__ = ("abort_requested", "error", "info", "root", "stages")
+    __slots__ = ("abort_requested", "error", "info", "recording", "root", "stages")
 
     def __init__(self, root: Span, info: RequestInfo) -> None:
         self.root = root
         self.info = info
+        #: sampled: its stages get spans (a request sampled out has its root's context only)
+        self.recording = root.is_recording()
         self.stages: dict[str, _StageRun] = {}
         self.error: BaseException | None = None
         self.abort_requested = False
@@ -107,7 +111,12 @@ class RequestTracer(EngineObserver):
     ``tracer_provider``: where the spans go (default: the global tracer provider).
     ``restarts``: the number of times a stage's replicas were replaced so far (the engine
     passes one; without it no ``replica_restarted`` event). ``owned``: :meth:`shutdown`
-    shuts the provider down (the engine's own provider)."""
+    shuts the provider down (the engine's own provider).
+
+    It needs no event per output as it is routed: requests run as without observers
+    (:attr:`~omni_trio.observer.EngineObserver.routes_stages` is false)."""
+
+    routes_stages = False
 
     def __init__(
         self,
@@ -214,7 +223,7 @@ class RequestTracer(EngineObserver):
     def _stage(self, request_id: str, stage_id: str, t: float) -> _StageRun | None:
         # a stage's span, started by the first of its events (they come from two tasks)
         req = self._requests.get(request_id)
-        if req is None:
+        if req is None or not req.recording:
             return None
         run = req.stages.get(stage_id)
         if run is None:
@@ -259,11 +268,14 @@ class RequestTracer(EngineObserver):
         self._restarts_seen(stage_id, run, t)
 
     def stage_trace_headers(self, request_id: str, stage_id: str) -> Mapping[str, str] | None:
-        run = self._stage(request_id, stage_id, time.perf_counter())
-        if run is None:
+        req = self._requests.get(request_id)
+        if req is None:
             return None
+        # a request sampled out hands on its root's context: the engine's spans drop too
+        run = self._stage(request_id, stage_id, time.perf_counter())
+        span = run.span if run is not None else req.root
         carrier: dict[str, str] = {}
-        propagate.inject(carrier, context=trace.set_span_in_context(run.span))
+        propagate.inject(carrier, context=trace.set_span_in_context(span))
         return carrier or None
 
     def stage_output(self, request_id: str, stage_id: str, first: bool, t: float) -> None:
@@ -282,26 +294,16 @@ class RequestTracer(EngineObserver):
         run.tokens_out += len(output.token_ids)
         run.bytes_out += payload_nbytes(output.token_ids, output.text, output.data)
 
-    def transfer_sent(
-        self,
-        request_id: str,
-        source: str,
-        target: str,
-        nbytes: int,
-        tokens: int,
-        seconds: float,
-        t: float,
-    ) -> None:
-        run = self._stage(request_id, target, t)
+    def transfer_sent(self, request_id: str, transfer: Transfer, t: float) -> None:
+        run = self._stage(request_id, transfer.target, t)
         if run is None:
             return
-        run.tokens_in += tokens
-        run.bytes_in += nbytes
+        run.tokens_in += transfer.tokens
+        run.bytes_in += transfer.nbytes
         if not run.first_input:
             run.first_input = True
-            run.span.add_event(
-                "first_input", {P + "source": source}, timestamp=self._ns(t - seconds)
-            )
+            at = self._ns(t - transfer.seconds)
+            run.span.add_event("first_input", {P + "source": transfer.source}, timestamp=at)
 
     def stage_finished(self, request_id: str, stage_id: str, status: str, t: float) -> None:
         req = self._requests.get(request_id)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..observer import EngineObserver, RequestInfo
+from ..observer import EngineObserver, RequestInfo, Transfer
 
 __all__ = [
     "RequestRecord",
@@ -91,7 +91,10 @@ class ObservedEngine(Protocol):
 class TimelineRecorder(EngineObserver):
     """Records the stage runs of an engine's requests (see the module docstring).
     ``startup`` gives the start-up marks to put in the file (:func:`record_timeline`
-    passes the engine's)."""
+    passes the engine's). Requests run as without observers while it records
+    (:attr:`~omni_trio.observer.EngineObserver.routes_stages` is false)."""
+
+    routes_stages = False
 
     def __init__(
         self,
@@ -145,24 +148,18 @@ class TimelineRecorder(EngineObserver):
 
     def stage_output(self, request_id: str, stage_id: str, first: bool, t: float) -> None:
         run = self._run(request_id, stage_id, t)
+        if run is not None and run.first_output is None:
+            run.first_output = t
+
+    def stage_delta(self, request_id: str, stage_id: str, output: object, t: float) -> None:
+        run = self._run(request_id, stage_id, t)
         if run is not None:
             run.outputs += 1
-            if run.first_output is None:
-                run.first_output = t
 
-    def transfer_sent(
-        self,
-        request_id: str,
-        source: str,
-        target: str,
-        nbytes: int,
-        tokens: int,
-        seconds: float,
-        t: float,
-    ) -> None:
-        run = self._run(request_id, target, t)
+    def transfer_sent(self, request_id: str, transfer: Transfer, t: float) -> None:
+        run = self._run(request_id, transfer.target, t)
         if run is not None and run.first_input is None:
-            run.first_input = t - seconds
+            run.first_input = t - transfer.seconds
 
     def stage_finished(self, request_id: str, stage_id: str, status: str, t: float) -> None:
         run = self._run(request_id, stage_id, t)

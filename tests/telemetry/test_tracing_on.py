@@ -104,9 +104,16 @@ async def test_sampled_out_requests_make_no_recorded_span(monkeypatch):
         async with omni_trio.open_engine(
             scripted_pipeline(2, outputs=3), tracing=tracing
         ) as engine:
+            async with engine.generate("hi", request_id="held") as stream:
+                await stream.receive()
+                tracer = engine.tracer
+                assert tracer is not None and tracer.open_spans == 1  # its root only
+                headers = tracer.stage_trace_headers("held", "s1")
+                # the W3C flags' sampled bit is clear
+                assert headers is not None and not int(headers["traceparent"][-2:], 16) & 1
             for i in range(5):
                 await engine.generate("hi", request_id=f"s{i}").collect()
-            assert engine.tracer is not None and engine.tracer.open_spans == 0
+            assert tracer.open_spans == 0
         assert rx.spans() == []
 
 
