@@ -34,6 +34,10 @@
 6. With ``--replicas``: replica pools under load (``replicas``): balancing policies, a replica
    killed (with and without restart) and one added mid-run; see bench_replicas.py, which
    runs them on its own too.
+7. With ``--tracing`` (``--tracing-only``: nothing else): what observing and tracing cost
+   (``tracing``): tracing off, an observer overriding no hook, and OpenTelemetry tracing on
+   an in-memory exporter, CPU per request side by side (``harness/tracing_cells.py``).
+   ``--tracing-modes off`` runs the off mode alone (it runs on a checkout without tracing).
 
 ``targets`` judges issue 9's model-free targets on these figures.
 
@@ -42,6 +46,7 @@ Its parts: ``harness/fake_engine_cells.py`` (1), ``harness/scripted_cells.py`` (
 ``omni_trio.testing.FakeEngine`` and ``omni_trio.testing.ExactStepClock``.
 
     python benchmarks/bench_orchestrator.py [--passes 3] [--fake-requests 64] [--quick] [--replicas]
+        [--tracing | --tracing-only [--tracing-modes off,observed,traced]]
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ import trio
 from harness.fake_engine_cells import fake_cpu_cells, fake_engine_cells
 from harness.replica_cells import Shape, replica_cells
 from harness.scripted_cells import PROMPT, hop_latency, pipeline, throughput_cells
+from harness.tracing_cells import MODES, tracing_cells
 
 import omni_trio
 from omni_trio.outputs import StageOutput
@@ -186,6 +192,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "trio": trio.__version__,
     }
+    if args.tracing_only:
+        results["tracing"] = await tracing_cells(
+            args.outputs, args.passes, args.quick, args.tracing_modes
+        )
+        return results
     shape = {"slots": 8, "step_s": 0.002, "tokens": 16}
     results["fake_engine_shape"] = shape
     results["fake_engine"] = await fake_engine_cells(
@@ -212,6 +223,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.replicas:
         replica_shape = Shape(requests=100 if args.quick else 1000)
         results["replicas"] = await replica_cells(replica_shape, args.passes)
+    if args.tracing:
+        results["tracing"] = await tracing_cells(
+            args.outputs, args.passes, args.quick, args.tracing_modes
+        )
     return results
 
 
@@ -225,8 +240,21 @@ if __name__ == "__main__":
     parser.add_argument(
         "--replicas", action="store_true", help="also the replica pool cells (bench_replicas.py)"
     )
+    parser.add_argument("--tracing", action="store_true", help="also the tracing cells")
+    parser.add_argument("--tracing-only", action="store_true", help="the tracing cells alone")
+    parser.add_argument(
+        "--tracing-modes",
+        type=lambda text: tuple(m for m in text.split(",") if m),
+        default=MODES,
+        help=f"a comma list of {','.join(MODES)}",
+    )
     args = parser.parse_args()
+    if bad := set(args.tracing_modes) - set(MODES):
+        parser.error(f"--tracing-modes: unknown {sorted(bad)}; known: {list(MODES)}")
     results = trio.run(main, args)
+    if args.tracing_only:
+        print(json.dumps(results, indent=2))
+        sys.exit(0)
     # a second run of trio: the clock is the run's
     results["fake_engine_exact_steps"] = trio.run(
         fake_engine_cells,

@@ -21,6 +21,10 @@ Systems, each run in a fresh subprocess:
   card's choice, instead of a plain asyncio loop). ``omni_ta_ratio`` and ``omni_ta_cpu_ratio``
   compare it with ``hand``; ``loop_ratio`` and ``loop_cpu_ratio`` with ``omni``, run for run
   (above 1: trio-asyncio's loop is faster, or costs more CPU).
+- ``omni_traced`` (only with ``--systems``): ``omni`` with OpenTelemetry tracing on, spans
+  exported to an in-memory exporter (``spans`` counts them). ``tracing_ratio`` and
+  ``tracing_cpu_ratio`` compare it with ``omni``, run for run (below 1: tracing costs
+  throughput; above 1: it costs CPU).
 - ``trio`` (only with ``--systems``): the floor under omni-trio's design, the least a trio
   program pays to drive the same engines from worker threads with no orchestrator
   (``harness/vllm_trio.py``). ``trio_ratio`` and ``trio_cpu_ratio`` compare it with
@@ -66,7 +70,8 @@ Reading the output (one JSON object on stdout; progress on stderr):
 
     python benchmarks/bench_vllm_pipeline.py [--stages 1,2,3] [--layouts core0,spread]
         [--passes 3] [--requests 64] [--tokens 16] [--batches 3]
-        [--systems hand,omni[,omni_ta][,trio][,shared]] [--idle-s 0] [--child-timeout 1200]
+        [--systems hand,omni[,omni_ta][,omni_traced][,trio][,shared]] [--idle-s 0]
+        [--child-timeout 1200]
 """
 
 from __future__ import annotations

@@ -174,6 +174,10 @@ class EngineStatistics:
     requests_in_graph: int | None = None
     #: every resource a stage reserves (``resources:``), its capacity and what is held
     resources: tuple[ResourceStatistics, ...] = ()
+    #: of them, detached ones (waiting for a resume)
+    sessions_detached: int = 0
+    #: live sessions opened since the engine started
+    sessions_opened: int = 0
 
     @property
     def stage_requests_in_flight(self) -> int:

@@ -331,3 +331,20 @@ def test_thread_cpu_tells_the_main_loop_from_omni_trios_engine_threads() -> None
     assert split["engine_threads"] == pytest.approx(200 / 20, rel=0.25)
     assert split["other"] == pytest.approx(100 / 20, rel=0.5)
     assert split["loop"] == pytest.approx(100 / 20, rel=0.5)
+
+
+def test_tracing_on_is_compared_with_omni_run_for_run() -> None:
+    passes = [
+        {"omni": _result(100, 2.0), "omni_traced": _result(98, 2.1)},
+        {"omni": {"error": "boom"}, "omni_traced": _result(50, 9.0)},
+        {"omni": _result(50, 1.0), "omni_traced": _result(50, 1.0)},
+    ]
+    cell = summary.summarize_cell(3, "spread", passes, ["omni", "omni_traced"])
+    # over the passes where both ran: 98/100 and 50/50; CPU 2.1/2.0 and 1.0/1.0
+    assert cell["tracing_ratio"] == {"median": 0.99, "min": 0.98, "max": 1.0}
+    assert cell["tracing_cpu_ratio"]["median"] == pytest.approx(1.025)
+    row = summary.summary_row(cell)
+    assert (row["tracing_ratio"], row["tracing_cpu_ratio"]) == (0.99, 1.025)
+    assert bench.parse_args(["--systems", "omni,omni_traced"]).systems == ["omni", "omni_traced"]
+    plain = summary.summarize_cell(3, "spread", [{"omni": p["omni"]} for p in passes], ["omni"])
+    assert "tracing_ratio" not in plain

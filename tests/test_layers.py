@@ -14,7 +14,8 @@ The rules (README, "Layout"):
 - only ``cli/`` imports ``server/``; nothing in the package imports ``benchmarks``;
 - ``vllm``, ``torch``, ``ray`` and ``diffusers`` are imported only by their backend
   (``config/vllm_fields`` reads vLLM's field list; ``models/`` are torch modules and
-  diffusers pipelines);
+  diffusers pipelines); ``opentelemetry`` only by ``telemetry/`` (below ``engine/``,
+  above floor 0 and ``config/``);
 - across packages, only public modules: never another package's ``_x`` module.
 
 Each rule is a pure function of the import graph, so a test can show that a wrong import is
@@ -43,6 +44,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "pipelines": frozenset({FLOOR0}),
     "transport": frozenset({FLOOR0}),
     "stages": frozenset({FLOOR0, "config", "transport"}),
+    "telemetry": frozenset({FLOOR0, "config"}),
     "backends.scripted": frozenset({FLOOR0, "config", "transport", "stages"}),
     "backends.torch": frozenset({FLOOR0, "config", "transport", "stages", "models"}),
     "backends.vllm": frozenset({FLOOR0, "config", "transport", "stages", "models"}),
@@ -51,8 +53,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     "backends.diffusion": frozenset({FLOOR0, "config", "transport", "stages", "models"}),
     "backends": frozenset(),
     "request": frozenset({FLOOR0, "config", "transport", "stages"}),
-    "engine": frozenset({FLOOR0, "config", "transport", "stages", "request"}),
-    "server": frozenset({FLOOR0, "config", "transport", "stages", "request", "engine"}),
+    "engine": frozenset({FLOOR0, "config", "transport", "stages", "request", "telemetry"}),
+    "server": frozenset(
+        {FLOOR0, "config", "transport", "stages", "request", "engine", "telemetry"}
+    ),
     "testing": frozenset(
         {FLOOR0, "config", "transport", "stages", "request", "engine", "backends.scripted"}
     ),
@@ -69,6 +73,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "request",
             "engine",
             "server",
+            "telemetry",
         }
     ),
     "top": frozenset({FLOOR0, "config", "transport", "stages", "request", "engine", "cli", "sync"}),
@@ -79,6 +84,7 @@ HEAVY: dict[str, frozenset[str]] = {
     "torch": frozenset({"backends.torch", "backends.talker", "backends.vllm", "models"}),
     "ray": frozenset({"backends.ray"}),
     "diffusers": frozenset({"models", "backends.diffusion"}),
+    "opentelemetry": frozenset({"telemetry"}),
 }
 
 

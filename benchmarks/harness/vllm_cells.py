@@ -12,7 +12,7 @@ from omni_trio.backends.vllm.protocol import CPU_ENGINE_DEFAULTS
 
 PROMPTS = [f"request {i}: the tiny omni model sings a song about the river" for i in range(997)]
 LAYOUTS = ("core0", "spread")
-SYSTEMS = ("hand", "omni", "omni_ta", "trio", "shared")
+SYSTEMS = ("hand", "omni", "omni_ta", "omni_traced", "trio", "shared")
 #: what runs unless asked: ``omni_ta`` (omni-trio with its engines on trio-asyncio's loop),
 #: ``trio`` and ``shared`` (the floors under omni-trio's design, with a thread per engine or one
 #: for all) only on request
@@ -23,6 +23,9 @@ VERSUS_HAND = ("omni_ta", "trio", "shared")
 #: the worker loop (the vllm stage option ``loop``) of each omni-trio system; a cell compares
 #: the second with the first in ``loop_ratio`` and ``loop_cpu_ratio``
 OMNI_LOOPS = {"omni": "asyncio", "omni_ta": "trio-asyncio"}
+#: ``omni`` with OpenTelemetry tracing on (an in-memory exporter); a cell compares it with
+#: ``omni`` run for run in ``tracing_ratio`` and ``tracing_cpu_ratio``
+TRACED = "omni_traced"
 
 
 def stage_models(n_stages: int) -> list[str]:

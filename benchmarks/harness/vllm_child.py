@@ -19,6 +19,7 @@ from omni_trio.backends.vllm.amx import request_amx
 from .vllm_cells import (
     OMNI_LOOPS,
     PROMPTS,
+    TRACED,
     bind_for,
     engine_args,
     omni_batch,
@@ -60,6 +61,8 @@ def child_main(a: argparse.Namespace) -> None:
             result = run_trio(a, child_result, run_batches, shared=a.child == "shared")
         elif a.child in OMNI_LOOPS:
             result = run_omni(a, OMNI_LOOPS[a.child])
+        elif a.child == TRACED:
+            result = run_omni(a, OMNI_LOOPS["omni"], traced=True)
         else:
             result = run_hand(a)
     except Exception as exc:
@@ -193,7 +196,22 @@ def run_hand(a: argparse.Namespace) -> dict[str, Any]:
     return asyncio.run(main())
 
 
-def run_omni(a: argparse.Namespace, loop: str) -> dict[str, Any]:
+def _in_memory_tracer(config: Any) -> tuple[Any, Callable[[], int]]:
+    """A request tracer on an in-memory exporter (every span made, ended and exported, no
+    network), and how many spans it exported so far."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from omni_trio.telemetry.spans import RequestTracer
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return RequestTracer(config, provider), lambda: len(exporter.get_finished_spans())
+
+
+def run_omni(a: argparse.Namespace, loop: str, traced: bool = False) -> dict[str, Any]:
     import trio
     import vllm.v1.engine.async_llm  # noqa: F401 (imported before the clock starts, as in run_hand)
 
@@ -210,6 +228,10 @@ def run_omni(a: argparse.Namespace, loop: str) -> dict[str, Any]:
         with stop_log() as log:
             async with omni_trio.open_engine(config) as engine:
                 init_s = time.perf_counter() - t0
+                spans = None
+                if traced:
+                    tracer, spans = _in_memory_tracer(engine.config)
+                    engine.add_observer(tracer)
                 timing = await run_batches(
                     lambda tag: omni_batch(engine, last, a.requests, tag),
                     a.requests,
@@ -226,6 +248,9 @@ def run_omni(a: argparse.Namespace, loop: str) -> dict[str, Any]:
             m_closed = time.monotonic()
         stops = engine_stops(groups, log.phases, watch.close(wait=LEFTOVER_GRACE_S))
         stop = stop_breakdown(m_close, m_closed, stops)
-        return child_result(timing, init_s, shutdown_s, procs, a, stop, idle)
+        result = child_result(timing, init_s, shutdown_s, procs, a, stop, idle)
+        if spans is not None:
+            result["spans"] = spans()
+        return result
 
     return trio.run(main)

@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .vllm_cells import OMNI_LOOPS, VERSUS_HAND, Run, bind_for, cell_name
+from .vllm_cells import OMNI_LOOPS, TRACED, VERSUS_HAND, Run, bind_for, cell_name
 
 
 def batch_throughput(walls: Sequence[float], requests: int) -> dict[str, float]:
@@ -82,6 +82,10 @@ def summarize_cell(
         # omni-trio on one worker loop against the other, run for run
         versus["loop_ratio"] = spread(paired_ratios(passes, _rps, second, first))
         versus["loop_cpu_ratio"] = spread(paired_ratios(passes, _cpu, second, first))
+    if TRACED in systems and first in systems:
+        # tracing on against off, run for run (below 1: tracing costs throughput)
+        versus["tracing_ratio"] = spread(paired_ratios(passes, _rps, TRACED, first))
+        versus["tracing_cpu_ratio"] = spread(paired_ratios(passes, _cpu, TRACED, first))
     return {
         "cell": cell_name(n_stages, layout),
         "stages": n_stages,
@@ -129,7 +133,8 @@ def summary_row(cell: dict[str, Any]) -> dict[str, Any]:
     for s in VERSUS_HAND:
         if f"{s}_ratio" in cell:
             versus[f"cpu_ms_{s}"] = r3(cell["cpu_ms_per_request_stage_median"].get(s))
-    for key in [f"{s}_{kind}" for s in (*VERSUS_HAND, "loop") for kind in ("ratio", "cpu_ratio")]:
+    kinds = ("ratio", "cpu_ratio")
+    for key in [f"{s}_{kind}" for s in (*VERSUS_HAND, "loop", "tracing") for kind in kinds]:
         if key in cell:
             versus[key] = cell[key] and r3(cell[key]["median"])
     return {

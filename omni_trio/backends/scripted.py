@@ -20,6 +20,10 @@ Options (under the stage's ``options:``):
                                 request waits this long, shielded, before it lets the
                                 cancellation through (a real engine's slow abort)
 ``token_offset`` (int, 1)       see below
+``audio_samples`` (int, 0)      each output carries this many samples of silence as ``data``
+                                (a tuple of floats) and ``metrics["sample_rate"]``: an audio
+                                stage with known packet lengths (0: no audio)
+``sample_rate`` (int, 16000)    the sample rate those outputs report
 ``record`` (int|false, 10000)   how many entries the records below keep (the most recent);
                                 ``false``: none, so a long-running scripted server stays flat
 ``omit_kv_params_at_request``,  a prefill stage's n-th request (1-based) finishes without
@@ -200,10 +204,16 @@ def scripted_tokens(inputs: Sequence[int], n_outputs: int, offset: int = 1) -> l
     return [inputs[k % len(inputs)] + offset for k in range(n_outputs)]
 
 
-def _done_metrics(k: int, prompt: Sequence[int], kv: object) -> dict[str, object]:
-    """A finished output's metrics: its index, its prompt's ids, and the
-    ``kv_transfer_params`` of a prefill (``kv``; None: none). Pure."""
-    metrics: dict[str, object] = {"output_index": k, "prompt_token_ids": tuple(prompt)}
+def _done_metrics(
+    k: int, prompt: Sequence[int], kv: object, audio_metrics: dict[str, object] | None = None
+) -> dict[str, object]:
+    """A finished output's metrics: its index, its prompt's ids, an audio stage's packet
+    metrics, and the ``kv_transfer_params`` of a prefill (``kv``; None: none). Pure."""
+    metrics: dict[str, object] = {
+        "output_index": k,
+        "prompt_token_ids": tuple(prompt),
+        **(audio_metrics or {}),
+    }
     if kv is not None:
         metrics["kv_transfer_params"] = kv
     return metrics
@@ -216,14 +226,18 @@ def _whole(
     k: int,
     prompt: Sequence[int],
     kv: object = None,
+    audio: tuple[float, ...] | None = None,
+    audio_metrics: dict[str, object] | None = None,
 ) -> StageOutput:
-    """A finished output carrying ``tokens`` (none: an empty stop output). Pure."""
+    """A finished output carrying ``tokens`` (none: an empty stop output) and, for an audio
+    stage, a packet's samples per token. Pure."""
     return StageOutput(
         token_ids=tuple(tokens),
         text="".join(f"{stage_id}:{token} " for token in tokens),
+        data=audio * len(tokens) if audio and tokens else None,
         finished=True,
         finish_reason=reason,
-        metrics=_done_metrics(k, prompt, kv),
+        metrics=_done_metrics(k, prompt, kv, audio_metrics),
     )
 
 
@@ -277,6 +291,12 @@ class ScriptedBackend(StageBackend):
         self.interactions: _Recent[Any] = _Recent(limit)
         self._live: dict[str, _Live] = {}
         self.requests_seen = 0
+        # what every output of an audio stage carries (one shared tuple: no copy per output)
+        n = self.options.audio_samples
+        self._audio: tuple[float, ...] | None = (0.0,) * n if n else None
+        self._audio_metrics: dict[str, object] | None = (
+            {"sample_rate": self.options.sample_rate} if n else None
+        )
 
     async def _start(self) -> None:
         await trio.sleep(self.options.start_delay_s)
@@ -372,15 +392,31 @@ class ScriptedBackend(StageBackend):
                 if final_only:
                     held.append(token)
                     if last:
-                        await emit(_whole(self.stage_id, held, "length", k, tokens, kv_out))
+                        await emit(
+                            _whole(
+                                self.stage_id,
+                                held,
+                                "length",
+                                k,
+                                tokens,
+                                kv_out,
+                                self._audio,
+                                self._audio_metrics,
+                            )
+                        )
                 else:
+                    audio_metrics = self._audio_metrics
                     out = StageOutput(
                         token_ids=(token,),
                         text=f"{self.stage_id}:{token} ",
+                        data=self._audio,
                         finished=last,
                         finish_reason="length" if last else None,
-                        # metrics once per request, on its finished output (as vllm's)
-                        metrics=_done_metrics(k, tokens, kv_out) if last else None,
+                        # metrics once per request, on its finished output (as vllm's); an
+                        # audio packet says its sample rate
+                        metrics=_done_metrics(k, tokens, kv_out, audio_metrics)
+                        if last
+                        else audio_metrics,
                     )
                     if nowait is None or not nowait(out):
                         await emit(out)

@@ -58,6 +58,16 @@ def _common(*, sub: bool) -> argparse.ArgumentParser:
     return p
 
 
+def _timeline_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--timeline",
+        metavar="FILE",
+        default=None,
+        help="write the requests' stage runs and the start-up phases as a Chrome trace-event "
+        "file (open it in Perfetto or chrome://tracing)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``omni-trio`` (pure)."""
     common = _common(sub=True)
@@ -79,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output-dir", default="demo-output", help="where WAVs go (./demo-output)")
     demo.add_argument("--prompt", action="append", help="a prompt (repeatable); default: three")
     demo.add_argument("--max-tokens", type=int, default=None, help="max tokens of the text stage")
+    _timeline_flag(demo)
 
     run = sub.add_parser(
         "run",
@@ -95,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-dir", default="omni-output", help="where WAVs and PNGs go (./omni-output)"
     )
     run.add_argument("--max-tokens", type=int, default=None, help="max tokens of the text stage")
+    _timeline_flag(run)
     images = run.add_argument_group("image stages (output_type: image)")
     images.add_argument("--size", metavar="WxH", default=None, help="width x height in pixels")
     images.add_argument("--steps", type=int, default=None, help="denoise steps")

@@ -86,6 +86,7 @@ async def _run_pipeline(
 ) -> RunSummary:
     from ..engine.engine import open_engine
     from ..heap import frozen_heap
+    from ..telemetry.timeline import record_timeline
     from .progress import open_engine_with_progress
 
     timer = StageTimer()
@@ -93,6 +94,7 @@ async def _run_pipeline(
     async with open_engine_with_progress(open_engine(config), sys.stderr) as engine:
         started = time.perf_counter() - t0
         engine.add_observer(timer)
+        recorder = record_timeline(engine) if args.timeline else None
         if args.log_stats:
             print(format_init_table(engine), flush=True)
         with frozen_heap():  # this process is ours: its startup heap out of full collections
@@ -106,6 +108,13 @@ async def _run_pipeline(
                 previews=getattr(args, "previews", False),
             )
         print(format_stage_times(timer), flush=True)
+        if recorder is not None:
+            events = await trio.to_thread.run_sync(recorder.write, args.timeline)
+            print(
+                f"timeline: {events} trace events in {args.timeline} "
+                "(open it in Perfetto or chrome://tracing)",
+                flush=True,
+            )
         if args.log_stats:
             print(format_statistics(engine.statistics()), flush=True)
     return RunSummary(config, len(prompts), tuple(written), Path(args.output_dir), started)
@@ -152,8 +161,15 @@ async def _until_sigint(work: Callable[[], Awaitable[T]]) -> T:
     return result[0]
 
 
+def _timeline(path: str | None) -> None:
+    # before any engine starts: a file that cannot be written is a usage error
+    if path is not None and not Path(path).resolve().parent.is_dir():
+        raise UsageError(f"--timeline: the directory of {path!r} does not exist")
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     _max_tokens(args.max_tokens)
+    _timeline(args.timeline)
     t0 = time.perf_counter()
     config = load_config_arg(str(default_pipeline_path()))
     print(RANDOM_WEIGHTS_NOTE, flush=True)
@@ -195,6 +211,7 @@ def image_params(args: argparse.Namespace) -> dict[str, object]:
 def cmd_run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     _max_tokens(args.max_tokens)
+    _timeline(args.timeline)
     images = image_params(args)
     prompts = [*args.prompts, *args.prompt]
     if not prompts:

@@ -30,7 +30,14 @@ from .backends import BUILTIN_BACKENDS, BuiltinBackend
 from .checks import check_vllm_stages, validate
 from .loading import load_config
 from .options import ScriptedOptions, TorchOptions, VllmOptions, parse_options
-from .pipeline import Admission, PipelineConfig, SessionsConfig, config_schema, topological_order
+from .pipeline import (
+    Admission,
+    PipelineConfig,
+    SessionsConfig,
+    TracingConfig,
+    config_schema,
+    topological_order,
+)
 from .stage import (
     MAX_REPLICAS,
     MAX_SLOTS,
@@ -57,6 +64,7 @@ __all__ = [
     "OutputType",
     "PipelineConfig",
     "SessionsConfig",
+    "TracingConfig",
     "Placement",
     "RayPlacement",
     "RestartPolicy",

@@ -171,6 +171,8 @@ def load_config(
             for s in stages
         ]
     data.pop("source", None)
+    if isinstance(data.get("tracing"), bool):
+        data["tracing"] = {"enabled": data["tracing"]}  # `tracing: true`, `tracing=True`
     try:
         with prechecked():  # the conversion checks every field: no second check
             cfg = msgspec.convert(data, PipelineConfig)

@@ -106,6 +106,13 @@ class ScriptedOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
             "do_remote_prefill fails (a decode engine that must load the KV cache)"
         ),
     ] = False
+    audio_samples: Annotated[
+        int,
+        Meta(ge=0, description="samples (silence) each output carries as audio data; 0: none"),
+    ] = 0
+    sample_rate: Annotated[
+        int, Meta(ge=1, description="the sample rate its audio outputs report (metrics)")
+    ] = 16_000
     record: Annotated[
         Annotated[int, Meta(ge=0)] | bool,
         Meta(

@@ -20,7 +20,14 @@ from .graph import StageGraph
 from .reading import Value, check_struct
 from .stage import MAX_SLOTS, LbPolicy, StageConfig, Timeout, doc
 
-__all__ = ["Admission", "PipelineConfig", "SessionsConfig", "config_schema", "topological_order"]
+__all__ = [
+    "Admission",
+    "PipelineConfig",
+    "SessionsConfig",
+    "TracingConfig",
+    "config_schema",
+    "topological_order",
+]
 
 #: what a request gets when ``max_requests_in_flight`` is reached
 Admission = Literal["wait", "reject"]
@@ -60,6 +67,34 @@ class SessionsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         Meta(ge=1),
         doc("bytes of events kept for a resume; undelivered ones beyond it make it wait"),
     ] = 2 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        check_struct(self)  # built in Python: checked as a loaded file is
+
+
+class TracingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenTelemetry tracing of requests (needs the ``otel`` extra; off: nothing imported).
+    ``tracing: true`` is short for ``tracing: {enabled: true}``."""
+
+    enabled: Annotated[
+        bool,
+        doc(
+            "one trace per request (a span per stage); also on when OTEL_TRACES_EXPORTER or "
+            "an OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT is set"
+        ),
+    ] = False
+    otlp_traces_endpoint: Annotated[
+        str | None,
+        doc(
+            "where spans go over OTLP/HTTP (e.g. http://localhost:4318/v1/traces); default: "
+            "the global tracer provider if the program set one, else the OTEL_* variables"
+        ),
+    ] = None
+    sample_ratio: Annotated[
+        float,
+        Meta(ge=0, le=1),
+        doc("the share of requests traced (a caller's sampled trace is always continued)"),
+    ] = 1.0
 
     def __post_init__(self) -> None:
         check_struct(self)  # built in Python: checked as a loaded file is
@@ -129,6 +164,9 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, d
             "refused as admission says (default: no limit)"
         ),
     ] = None
+    tracing: Annotated[TracingConfig, doc("OpenTelemetry tracing of requests")] = msgspec.field(
+        default_factory=TracingConfig
+    )
     source: str | None = None
 
     def __post_init__(self) -> None:

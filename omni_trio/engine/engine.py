@@ -20,18 +20,20 @@ raises (it is detached).
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
+from functools import partial
 from types import TracebackType
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import trio
 
 from ..config.loading import load_config
 from ..config.pipeline import PipelineConfig
 from ..config.stageinfo import StageInfo, SupportedTask, stage_infos, supported_tasks
-from ..errors import InvalidRequestError
+from ..errors import BackendUnavailableError, InvalidRequestError
 from ..observer import EngineObserver
 from ..outputs import EngineStatistics, OmniOutput, Prompt, SamplingParams
 from ..request.hooks import PromptHooks
@@ -39,6 +41,7 @@ from ..request.planning import stage_ref
 from ..stages.fanout import check_rpc_timeout
 from ..stages.group import StageGroup
 from ..stages.pool import StagePool
+from ..telemetry.settings import TracingSettings, tracing_settings
 from .health import HealthReport, assess_health
 from .live_registry import SessionRegistry
 from .live_session import Session, session_block
@@ -48,7 +51,31 @@ from .rpc import fan_out_rpc
 from .session import EngineSession
 from .streams import RequestStream
 
+if TYPE_CHECKING:
+    from ..telemetry.spans import RequestTracer
+
 __all__ = ["Engine", "open_engine"]
+
+logger = logging.getLogger(__name__)
+
+#: how long closing waits for the engine's own tracer provider to export what is left
+_TRACER_SHUTDOWN_S = 10.0
+
+
+def _tracer_factory(
+    config: PipelineConfig, settings: TracingSettings, restarts: Callable[[str], int]
+) -> Callable[[], RequestTracer]:
+    """What makes the engine's tracer when its session is entered. OpenTelemetry is
+    imported here, only when tracing is on. Raises :class:`BackendUnavailableError` when it
+    is not installed."""
+    try:
+        from ..telemetry.spans import open_request_tracer
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "tracing is on (the tracing key or an OTEL_* variable) but OpenTelemetry is not "
+            "installed: pip install 'omni-trio[otel]'"
+        ) from exc
+    return partial(open_request_tracer, config, settings, restarts)
 
 
 class Engine:
@@ -69,13 +96,45 @@ class Engine:
             self._live,
             check_vllm=check_vllm,
         )
+        #: the engine's request tracer while the session is open with tracing on
+        #: (:mod:`omni_trio.telemetry.spans`); ``None`` otherwise
+        self.tracer: RequestTracer | None = None
+        self._tracing: Callable[[], RequestTracer] | None = None
+        settings = tracing_settings(config.tracing, os.environ)
+        if settings is not None:
+            self._tracing = _tracer_factory(config, settings, self._stage_restarts)
+
+    def _stage_restarts(self, stage_id: str) -> int:
+        # how often the stage's replicas were replaced so far (a span's "restarts seen")
+        return sum(r.restarts for r in self.pools[stage_id].statistics().replicas)
+
+    async def _close_tracer(self) -> None:
+        # the engine's own tracer provider exports what is left; bounded, never cancelled
+        tracer, self.tracer = self.tracer, None
+        if tracer is None:
+            return
+        with trio.CancelScope(shield=True), trio.move_on_after(_TRACER_SHUTDOWN_S) as scope:
+            await trio.to_thread.run_sync(tracer.shutdown, abandon_on_cancel=True)
+        if scope.cancelled_caught:
+            logger.warning(
+                "the tracer's exporter did not finish within %ss; spans may be lost",
+                _TRACER_SHUTDOWN_S,
+            )
 
     # -- session -------------------------------------------------------------------------------
     async def __aenter__(self) -> Engine:
         """Start every stage in parallel; return once all are ready. Checkpoints. Raises
         :class:`StageStartError` (after stopping what started); cancelled, it stops what
         started and re-raises."""
-        await self._session.enter()
+        if self._tracing is not None and self._session.state == "new":
+            # its exporter's thread lives as long as the session
+            self.tracer = self._tracing()
+            self.add_observer(self.tracer)
+        try:
+            await self._session.enter()
+        except BaseException:
+            await self._close_tracer()
+            raise
         return self
 
     async def __aexit__(
@@ -84,7 +143,10 @@ class Engine:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        return await self._session.exit(exc_type, exc, tb)
+        try:
+            return await self._session.exit(exc_type, exc, tb)
+        finally:
+            await self._close_tracer()
 
     async def aclose(self) -> None:
         """End the session: abort every request (each consumer gets its terminal), then stop
@@ -92,7 +154,10 @@ class Engine:
         finishes stopping everything). Idempotent. Raises :class:`StageStopError` (once)
         naming every replica whose stop failed or overran. Leaving the ``async with`` block
         calls it."""
-        await self._session.aclose()
+        try:
+            await self._session.aclose()
+        finally:
+            await self._close_tracer()
 
     # -- requests ----------------------------------------------------------------------------
     def generate(
@@ -345,8 +410,14 @@ class Engine:
 
     # -- introspection -------------------------------------------------------------------------
     def add_observer(self, observer: EngineObserver) -> None:
-        """Attach an :class:`~omni_trio.observer.EngineObserver` (metrics, tracing)."""
+        """Attach an :class:`~omni_trio.observer.EngineObserver` (metrics, tracing, a
+        timeline). Synchronous; requests admitted from now on are observed."""
         self.orchestrator.observers.add(observer)
+
+    def remove_observer(self, observer: EngineObserver) -> None:
+        """Detach an observer :meth:`add_observer` attached. Synchronous. Raises
+        ValueError if it is not attached."""
+        self.orchestrator.observers.remove(observer)
 
     @property
     def pools(self) -> dict[str, StagePool]:
@@ -405,6 +476,8 @@ class Engine:
             sessions=self._live.held,
             requests_in_graph=admission.in_graph,
             resources=self._stage_group.resources.statistics(),
+            sessions_detached=self._live.detached,
+            sessions_opened=self._live.opened_total,
         )
 
     def check_health(self) -> HealthReport:

@@ -80,6 +80,11 @@ class SessionRegistry:
         """Sessions holding a slot (open, detached, or closing)."""
         return len(self._sessions)
 
+    @property
+    def detached(self) -> int:
+        """Sessions detached and waiting for a resume. O(sessions)."""
+        return sum(1 for core in self._sessions.values() if core.lease == "detached")
+
     async def open(self, session_id: str | None, config: Mapping[str, object] | None) -> Session:
         await trio.lowlevel.checkpoint_if_cancelled()
         sid = uuid.uuid4().hex if session_id is None else session_id

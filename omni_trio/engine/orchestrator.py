@@ -33,7 +33,7 @@ import trio
 from ..config.pipeline import PipelineConfig
 from ..context import RequestContext
 from ..errors import DuplicateRequestError, EngineClosedError, OmniTrioError
-from ..observer import ObserverSet
+from ..observer import ObserverSet, RequestInfo, payload_nbytes
 from ..outputs import OmniOutput, StageInput
 from ..request.feeds import StageFeed
 from ..request.hooks import remove_artifacts
@@ -169,6 +169,7 @@ class Orchestrator:
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 raise
             waiting = self._waiting[request_id] = WaitingRequest(context)
+            since = self.observers.clock() if self.observers else None
             admitted = False
             ticket: GraphTicket | None = None
             with waiting.scope:
@@ -187,9 +188,8 @@ class Orchestrator:
             except OmniTrioError:
                 self._give_back(ticket)
                 raise
-            return self._start(
-                nursery, self._new_request(request_id, first_input, plan, context, ticket)
-            )
+            req = self._new_request(request_id, first_input, plan, context, ticket)
+            return self._start(nursery, req, since)
         except BaseException:
             await remove_artifacts(context)  # it never runs (a cancel-shielded checkpoint)
             raise
@@ -229,13 +229,31 @@ class Orchestrator:
             self._output,
             streamed_input,
             None if ticket is None else ticket.release,
+            self.observers,
         )
 
-    def _start(self, nursery: trio.Nursery, req: Request) -> RequestHandle:
+    def _announce(self, req: Request, waited_since: float | None) -> None:
+        # the observers' first events of a request: in the admitting task (the caller's)
+        first = req.first_input
+        wait = 0.0 if waited_since is None else self.observers.clock() - waited_since
+        info = RequestInfo(
+            stages=req.plan.active,
+            output_stages=req.plan.outputs,
+            trace_headers=req.context.trace_headers,
+            admission_wait_s=wait,
+            input_tokens=len(first.token_ids),
+            input_bytes=payload_nbytes(first.token_ids, first.prompt, first.data),
+        )
+        self.observers.emit("request_info", req.request_id, info)
+        self.observers.emit("request_started", req.request_id)
+
+    def _start(
+        self, nursery: trio.Nursery, req: Request, waited_since: float | None = None
+    ) -> RequestHandle:
         # the caller took a slot for it; _finish gives it back
         self._requests[req.request_id] = req
         if self.observers:
-            self.observers.emit("request_started", req.request_id)
+            self._announce(req, waited_since)
         nursery.start_soon(self._run_request, req, name=req.request_id)
         return RequestHandle(req)
 
@@ -243,9 +261,9 @@ class Orchestrator:
         # An abort took the request out of the admission queue: it ends aborted without
         # running (no slot, no task, no stage), and its consumer reads its abort terminals
         # like those of any aborted request. It counts as a request that ended aborted.
-        req.request_abort()
         if self.observers:
-            self.observers.emit("request_started", req.request_id)
+            self._announce(req, None)
+        req.request_abort()
         status = self._end(req)
         if self.observers:
             self.observers.emit("request_finished", req.request_id, status)

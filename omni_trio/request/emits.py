@@ -9,6 +9,9 @@
   returned.
 - :class:`OutboxEmit`: any other stage. Its outputs fill the stage's bounded outbox, which
   its routing task empties.
+- :class:`FirstOutputEmit`: around either of the first two while observers that need no
+  routing watch: notes when the stage's first output came (the run tells them once the
+  stage ended, out of the backend's call stack).
 
 Each is an :class:`~omni_trio.stages.emit.Emitter` (``emit`` awaited, its ``nowait`` the
 fast path) over bound methods: a request in flight holds no closures and no cells. The fast
@@ -20,6 +23,7 @@ an output.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import trio
@@ -29,7 +33,7 @@ from ..stages.emit import Emitter
 from ..transport.queue import OutputQueue
 from .state import Request
 
-__all__ = ["CollectEmit", "OutboxEmit", "pulled_emitter"]
+__all__ = ["CollectEmit", "FirstOutputEmit", "OutboxEmit", "pulled_emitter"]
 
 
 def pulled_emitter(req: Request, sid: str) -> Emitter:
@@ -104,4 +108,36 @@ class OutboxEmit:
             self._outbox.send_nowait(out)
         except (trio.WouldBlock, trio.ClosedResourceError):
             return False
+        return True
+
+
+class FirstOutputEmit:
+    """Wraps a stage's emitter: notes the clock when its first output was delivered."""
+
+    __slots__ = ("_clock", "_inner", "first", "since")
+
+    def __init__(self, inner: Emitter, clock: Callable[[], float], since: int) -> None:
+        self._inner = inner
+        self._clock = clock
+        #: when the first output was delivered, or None
+        self.first: float | None = None
+        #: the request's outputs before the stage's first (``Request.stage_outputs``)
+        self.since = since
+
+    def emitter(self) -> Emitter:
+        """The Emitter over :meth:`emit` and :meth:`emit_nowait`. Synchronous."""
+        return Emitter(self.emit, self.emit_nowait)
+
+    async def emit(self, out: StageOutput) -> None:
+        """The inner emit (it may wait)."""
+        await self._inner(out)
+        if self.first is None:
+            self.first = self._clock()
+
+    def emit_nowait(self, out: StageOutput) -> bool:
+        """The inner fast path. Synchronous."""
+        if not self._inner.nowait(out):
+            return False
+        if self.first is None:
+            self.first = self._clock()
         return True

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..errors import InvalidRequestError, StageError
-from ..observer import ObserverSet, payload_nbytes
+from ..observer import ObserverSet, Transfer, payload_nbytes
 from ..outputs import StageInput, StageOutput
 from ..stages.processors import InputProcessor, StageContext
 
@@ -249,9 +249,12 @@ class StageFeed:
         checkpoints per output. A downstream stage that stopped reading closes the feed."""
         if self._closed:
             return
-        if self._observers:
+        observers = self._observers
+        nbytes, ready = 0, 0.0
+        if observers:
             nbytes = payload_nbytes(chunk.token_ids, chunk.prompt, chunk.data)
-            self._observers.emit("transfer", self.request_id, source, self.stage_id, nbytes)
+            observers.emit("transfer", self.request_id, source, self.stage_id, nbytes)
+            ready = observers.clock()
         assert self._send is not None, "a deferred feed sends nothing: its stage starts later"
         try:
             try:
@@ -263,6 +266,23 @@ class StageFeed:
             # or it ended otherwise (then the request's scope is cancelled, or it failed and
             # the request is failing). Either way nothing more goes there.
             self._closed = True
+            return
+        if observers:
+            seconds = observers.clock() - ready
+            sent = Transfer(source, self.stage_id, nbytes, len(chunk.token_ids), seconds)
+            observers.emit("transfer_sent", self.request_id, sent)
+
+    def handed_whole(self, chunk: StageInput | None) -> None:
+        """A deferred stage starts on ``chunk``, its whole input: tell the observers, as
+        :meth:`send` does of each chunk it sends. Synchronous."""
+        observers = self._observers
+        if not observers or chunk is None:
+            return
+        source = ",".join(self._order)
+        nbytes = payload_nbytes(chunk.token_ids, chunk.prompt, chunk.data)
+        observers.emit("transfer", self.request_id, source, self.stage_id, nbytes)
+        sent = Transfer(source, self.stage_id, nbytes, len(chunk.token_ids), 0.0)
+        observers.emit("transfer_sent", self.request_id, sent)
 
     async def send_final(self, chunk: StageInput | None) -> None:
         """Send the last chunk (if any) and close the downstream input. Checkpoints only when

@@ -131,6 +131,7 @@ async def _route(
     req.record(sid, out)
     if observers:
         observers.emit("stage_output", req.request_id, sid, first)
+        observers.emit("stage_delta", req.request_id, sid, out)
     if output:
         # the routing loop checkpoints on every output it takes from the outbox: pass
         # this one on without another trip through the scheduler unless the window is full

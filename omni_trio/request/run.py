@@ -34,21 +34,23 @@ replica aborts it; nothing here decides the request's outcome.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 
 import trio
 
 from ..config.pd import PDPair, pd_pairs
 from ..config.pipeline import PipelineConfig
+from ..context import RequestContext
 from ..errors import OmniTrioError, StageAborted, StageError
 from ..observer import ObserverSet
 from ..outputs import StageInput, StageOutput
-from ..stages.emit import Emit
+from ..stages.emit import Emit, Emitter
 from ..stages.pool import StagePool
 from ..stages.processors import InputProcessor, reads_text
 from ..transport.queue import OutputQueue
 from .companions import companion_key, run_with_companions
-from .emits import CollectEmit, OutboxEmit, pulled_emitter
+from .emits import CollectEmit, FirstOutputEmit, OutboxEmit, pulled_emitter
 from .feeds import StageFeed, StageInputs, WholeInput
 from .pd import decode_input, decode_sampling_params, kv_transfer_params_of
 from .planning import RequestPlan, StagePath, stage_path
@@ -154,6 +156,9 @@ class StageRunner:
         final chunk as its whole input. Synchronous."""
         if not ready:
             return []
+        if self.observers:
+            for feed, chunk in ready:
+                feed.handed_whole(chunk)
         if not self._pd_stages:
             return [
                 run
@@ -202,7 +207,7 @@ class StageRunner:
         """Build every active stage's feed (appended to ``feeds``; deferred ones, without a
         channel, unless observers watch) and return what runs at once. Synchronous."""
         plan = req.plan
-        defer = not self.observers
+        defer = not self.observers.routes
         inputs: dict[str, StageInputs] = {}
         feeds_of: dict[str, list[StageFeed]] = {sid: [] for sid in plan.active}
         context = req.context
@@ -254,7 +259,7 @@ class StageRunner:
         downstream input processor reads the outputs' text (else the backend may leave it out;
         only a collected stage has nobody else to read it)."""
         path, streamed, text = self._layout(req.plan)[sid]
-        if self.observers:
+        if self.observers.routes:
             path = "routed"
         if path == "pulled":
             return [partial(self._run_pulled, req, sid, inputs)]
@@ -273,11 +278,42 @@ class StageRunner:
         # the consumer. The queue's window is the backpressure.
 
         emitter = pulled_emitter(req, sid)
-        if await self._run_stage(req, sid, inputs, emitter, streamed=True):
-            if not req.failed and not req.stage_finished(sid):
-                # the backend ended without a finished output; the caller gets one
-                await req.send_output(sid, STOPPED)
+        seen = self._watch(req, sid, emitter)
+        status = "aborted"
+        try:
+            if await self._run_stage(
+                req, sid, inputs, emitter if seen is None else seen.emitter(), streamed=True
+            ):
+                if not req.failed and not req.stage_finished(sid):
+                    # the backend ended without a finished output; the caller gets one
+                    await req.send_output(sid, STOPPED)
+                status = "finished"
+        finally:
+            if seen is not None:
+                self._report(req, sid, seen, status)
         return NONE_READY
+
+    def _watch(self, req: Request, sid: str, emitter: Emitter) -> FirstOutputEmit | None:
+        """With observers (none needing routing), tell them the stage starts and note when
+        its first output comes; else None. Synchronous."""
+        observers = self.observers
+        if not observers:
+            return None
+        observers.emit("stage_started", req.request_id, sid)
+        return FirstOutputEmit(emitter, observers.clock, req.n_produced)
+
+    def _report(self, req: Request, sid: str, seen: FirstOutputEmit, status: str) -> None:
+        """A stage without a routing task ended: its outputs and its end, to the observers
+        (see :mod:`omni_trio.observer`). Synchronous."""
+        observers, rid = self.observers, req.request_id
+        if req.failed and status != "finished":
+            status = "failed"
+        outs = req.stage_outputs(sid, seen.since)
+        if outs and seen.first is not None:
+            observers.emit_at(seen.first, "stage_output", rid, sid, True)
+        for out in outs:
+            observers.emit("stage_delta", rid, sid, out)
+        observers.emit("stage_finished", rid, sid, status)
 
     async def _run_collected(
         self,
@@ -292,26 +328,39 @@ class StageRunner:
         # its call stack), straight to the downstream stages' input: no routing task.
         collect = CollectEmit(req, sid)
         emitter = collect.emitter()
-        ran = await self._run_stage(
-            req, sid, inputs, emitter, streamed=False, text=text, feeds=feeds
-        )
-        if not ran:
-            return NONE_READY
-        ready: list[tuple[StageFeed, StageInput | None]] = []
+        seen = self._watch(req, sid, emitter)
+        status = "aborted"
         try:
-            if not req.failed:
-                if not req.stage_finished(sid):
-                    await collect.emit(STOPPED)
-                outs = collect.outputs()
-                for feed in feeds:
-                    feed.collect(sid, outs)  # none streams: this stage would be routed
-                for feed, chunk in finish_feeds(sid, feeds, ready):
-                    await feed.send_final(chunk)
-        except OmniTrioError as exc:
-            # an input processor failed: a failure of its own (downstream) stage
-            req.fail(sid, exc)
-            return NONE_READY
-        return ready
+            ran = await self._run_stage(
+                req,
+                sid,
+                inputs,
+                emitter if seen is None else seen.emitter(),
+                streamed=False,
+                text=text,
+                feeds=feeds,
+            )
+            if not ran:
+                return NONE_READY
+            ready: list[tuple[StageFeed, StageInput | None]] = []
+            try:
+                if not req.failed:
+                    if not req.stage_finished(sid):
+                        await collect.emit(STOPPED)
+                    outs = collect.outputs()
+                    for feed in feeds:
+                        feed.collect(sid, outs)  # none streams: this stage would be routed
+                    for feed, chunk in finish_feeds(sid, feeds, ready):
+                        await feed.send_final(chunk)
+                    status = "finished"
+            except OmniTrioError as exc:
+                # an input processor failed: a failure of its own (downstream) stage
+                req.fail(sid, exc)
+                return NONE_READY
+            return ready
+        finally:
+            if seen is not None:
+                self._report(req, sid, seen, status)
 
     async def _run_stage(
         self,
@@ -334,13 +383,18 @@ class StageRunner:
         rid = req.request_id
         try:
             with inputs:
+                waited = 0.0
                 try:
                     backend = pool.bind_nowait(rid)
                 except trio.WouldBlock:
                     # no replica takes it now: wait (FIFO) for a slot or a restarting one
+                    waited = self.observers.clock()
                     backend = await pool.bind(rid)
+                    waited = self.observers.clock() - waited
                 try:
                     context = req.context
+                    if self.observers:
+                        context = self._observed(req, sid, backend.replica, waited)
                     if context.companions and sid == context.companion_stage:
                         await run_with_companions(
                             req, pool, backend, sid, feeds, inputs, emit, streamed
@@ -365,6 +419,16 @@ class StageRunner:
         else:
             return True
         return False
+
+    def _observed(self, req: Request, sid: str, replica: int, waited: float) -> RequestContext:
+        """Tell the observers the stage bound the request; the context its backend gets
+        (with the tracing headers of its stage span when a tracer gives them). Synchronous."""
+        observers = self.observers
+        observers.emit("stage_bound", req.request_id, sid, replica, waited)
+        headers = observers.trace_headers(req.request_id, sid)
+        if headers is None:
+            return req.context
+        return replace(req.context, trace_headers=headers)
 
     async def _run_backend(
         self,

@@ -32,6 +32,7 @@ import trio
 from ..context import RequestContext
 from ..errors import InvalidRequestError, OmniTrioError, StageError
 from ..failures import request_error
+from ..observer import ObserverSet
 from ..outputs import FINISH_ABORT, OmniOutput, SamplingParams, StageInput, StageOutput
 from ..transport.queue import OutputQueue
 from .feeds import StageInputs, WholeInput
@@ -70,6 +71,7 @@ class Request:
         "_input",
         "_kept_inputs",
         "_lifecycle",
+        "_observers",
         "_plan",
         "_produced",
         "_queue",
@@ -88,7 +90,10 @@ class Request:
         convert: Convert,
         streamed_input: RequestInput | None = None,
         ticket: Callable[[], None] | None = None,
+        observers: ObserverSet | None = None,
     ) -> None:
+        # told of an abort request and of a stage's failure (tracing), when any watch
+        self._observers = observers
         # (request id, stage id, StageOutput) -> the OmniOutput a caller gets
         self._convert = convert
         self._plan = plan
@@ -215,6 +220,8 @@ class Request:
     def request_abort(self) -> None:
         """Abort: cancel the request's scope. Synchronous; a no-op once it ended."""
         if self._lifecycle.request_abort():
+            if self._observers:
+                self._observers.emit("abort_requested", self.request_id)
             self._scope.cancel()
 
     def fail(self, stage_id: str, exc: BaseException) -> None:
@@ -243,6 +250,8 @@ class Request:
                 error,
             )
         self._lifecycle.fail(error)
+        if self._observers:
+            self._observers.emit("stage_error", self.request_id, stage_id, error)
         self._scope.cancel()
 
     def record(self, stage_id: str, out: StageOutput) -> None:

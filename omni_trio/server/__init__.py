@@ -15,7 +15,8 @@ sockets bound beforehand, every connection held so shutdown takes bounded time);
 params), ``bodies`` (the wire format of responses), ``responses`` (responses that run engine
 work), ``chat_audio`` (chat completions with audio), ``chat_model`` (the served model's
 chat template and voices), ``guard`` (the middleware in front of
-every endpoint), ``asgi`` (plumbing they share); ``realtime`` (``WS /v1/realtime``: live
+every endpoint), ``tracing`` (the HTTP request's trace context into the engine's requests),
+``asgi`` (plumbing they share); ``realtime`` (``WS /v1/realtime``: live
 sessions over a WebSocket) with ``realtime_protocol`` (its event mapping, pure);
 ``lifecycle`` (where the server is in its life); ``metrics`` (Prometheus).
 """

@@ -59,6 +59,7 @@ from .protocol import (
 )
 from .realtime import RealtimeEndpoint, RealtimeLimits
 from .responses import Computed, EngineJSONResponse, EventStreamResponse, error_for
+from .tracing import TraceContext, request_trace_headers
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
@@ -164,12 +165,14 @@ class _Handlers:
                     prompt,
                     request_id=rid,
                     sampling_params=sampling,
+                    trace_headers=request_trace_headers(),
                     output_modalities=req.modalities,
                 )
             return self.engine.generate(
                 prompt,
                 request_id=rid,
                 sampling_params=sampling,
+                trace_headers=request_trace_headers(),
                 final_stage_id=self.text_stage,
                 output_stages=[self.text_stage],
             )
@@ -177,6 +180,7 @@ class _Handlers:
             req.prompt,
             request_id=rid,
             sampling_params=sampling,
+            trace_headers=request_trace_headers(),
             final_stage_id=self.text_stage,
             output_stages=[self.text_stage],
         )
@@ -313,6 +317,7 @@ class _Handlers:
             prompt,
             request_id=rid,
             sampling_params=sampling,
+            trace_headers=request_trace_headers(),
             final_stage_id=stage,
             output_stages=[stage],
         )
@@ -447,9 +452,11 @@ def create_app(
         WebSocketRoute("/v1/realtime", realtime_endpoint),
     ]
     guard = Middleware(RequestGuard, lifecycle=lifecycle, max_body_bytes=max_body_bytes)
+    # the engine's tracer, read per request (it exists while the engine's session is open)
+    tracing = Middleware(TraceContext, tracer=lambda: engine.tracer)
     app = Starlette(
         routes=routes,
-        middleware=[guard],
+        middleware=[guard, tracing],
         exception_handlers={HTTPException: _http_error, Exception: _unexpected_error},
     )
     app.state.metrics = metrics

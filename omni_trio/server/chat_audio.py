@@ -25,6 +25,7 @@ from .bodies import chat_chunk, now, openai_finish_reason, usage
 from .chat_model import ChatModel
 from .protocol import ChatRequest
 from .responses import Computed
+from .tracing import request_trace_headers
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
@@ -125,6 +126,7 @@ class AudioChat:
             prompt,
             request_id=rid,
             sampling_params={self.text_stage: req.sampling, **voices},
+            trace_headers=request_trace_headers(),
             output_modalities=engine_modalities(req.modalities, self.produces_text),
         )
 

@@ -38,7 +38,7 @@ def test_parse_options_defaults_types_and_paths():
     assert "Expected `bool`, got str 'yes'" in str(info.value)
     with pytest.raises(ConfigError, match=r"options\.latency_s: must be a finite number"):
         parse_options(ScriptedOptions, {"latency_s": float("inf")}, where="$.stages[0].options")
-    known = "unknown scripted option 'x'; known: abort_delay_s, crash_at_request"
+    known = "unknown scripted option 'x'; known: abort_delay_s, audio_samples, crash_at_request"
     with pytest.raises(ConfigError, match=known):
         parse_options(ScriptedOptions, {"x": 1}, where="$", backend="scripted")
 
