@@ -61,6 +61,32 @@ def test_qwen25_omni_pipeline_loads() -> None:
     assert token2wav.options["factory"] == "omni_trio.models.qwen_omni.token2wav:build_token2wav"
 
 
+def test_tiny_pd_pipeline_is_one_pair_on_example_connector() -> None:
+    from omni_trio.config.pd import pd_pairs
+
+    cfg = load_config(pipeline_path("tiny-pd"))
+    assert cfg.stage_ids == ["prefill", "decode"] and cfg.final_output_stages == ["decode"]
+    (pair,) = pd_pairs(cfg.stages)
+    assert (pair.prefill, pair.decode, pair.connector) == ("prefill", "decode", "ExampleConnector")
+    assert not pair.kv_params_required  # ExampleConnector finds the cache by the prompt
+    prefill, decode = (s.engine_args for s in cfg.stages)
+    # the same engine but for the connector's role, and the decode's counter unambiguous
+    assert {k: v for k, v in prefill.items() if k != "kv_transfer_config"} == {
+        k: v for k, v in decode.items() if k not in ("kv_transfer_config", "enable_prefix_caching")
+    }
+    assert prefill["model"] == "tiny:thinker" and prefill["block_size"] == 32
+    assert decode["enable_prefix_caching"] is False
+    stores = [a["kv_transfer_config"]["kv_connector_extra_config"] for a in (prefill, decode)]
+    assert stores[0] == stores[1]
+    # the documented override moves both halves' store
+    moved = {"kv_transfer_config": {"kv_connector_extra_config": {"shared_storage_path": "/x"}}}
+    cfg = load_config(cfg, stage_overrides={s: {"engine_args": moved} for s in cfg.stage_ids})
+    for st in cfg.stages:
+        kv = st.engine_args["kv_transfer_config"]
+        assert kv["kv_connector_extra_config"] == {"shared_storage_path": "/x"}
+        assert kv["kv_connector"] == "ExampleConnector"
+
+
 def test_default_pipeline_is_tiny_omni_on_vllm() -> None:
     path = default_pipeline_path()
     assert path.name == "tiny-omni.yaml" and path.is_file()

@@ -21,7 +21,9 @@ several pairs (two LLM stages each split in two, or two branches); each is check
   roles that produce (``kv_producer``/``kv_both``) and consume
   (``kv_consumer``/``kv_both``), equal ``kv_buffer_device`` and ``kv_buffer_size`` where
   both set them, and the same ``model``, ``dtype``, ``kv_cache_dtype``, ``block_size`` and
-  ``tensor_parallel_size`` in their ``engine_args`` (set alike, or both unset).
+  ``tensor_parallel_size`` in their ``engine_args`` (set alike, or both unset); for
+  ``ExampleConnector``, which hands the cache over in a directory, the same
+  ``kv_connector_extra_config.shared_storage_path``.
 
 ``kv_transfer_config`` lives in ``engine_args`` rather than beside them: it is an
 ``AsyncEngineArgs`` field that vLLM reads as it is, so it is written once, reaches the
@@ -31,6 +33,7 @@ engine unchanged, and ``omni-trio validate`` checks its keys against vLLM's own
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -61,6 +64,11 @@ KV_PARAMS_OPTIONAL_CONNECTORS = frozenset({"ExampleConnector"})
 #: the keys of ``kv_transfer_config`` whose values the two halves must agree on, where both
 #: set them (``kv_buffer_size`` is an older vLLM's; the current one has no such field)
 _MATCHED_KEYS = ("kv_buffer_device", "kv_buffer_size")
+#: connectors whose halves meet in a directory, ``kv_connector_extra_config.
+#: shared_storage_path`` (vLLM's default when unset): a decode looking in another one finds
+#: nothing and silently recomputes the prompt
+_SHARED_STORE_CONNECTORS = frozenset({"ExampleConnector"})
+_STORE_KEY = "shared_storage_path"
 #: the engine args both halves must give alike (unset counts as the default given), and why
 _SAME_ENGINE_ARGS: dict[str, tuple[object, str]] = {
     "model": (None, "the decode loads the KV cache the prefill's model computed"),
@@ -245,6 +253,17 @@ def check_pd_pair(stages: Sequence[StageConfig], pair: PDPair, source: str | Non
                 path=f"{d_where}.kv_transfer_config.{key}",
                 source=source,
             )
+    if p_conn in _SHARED_STORE_CONNECTORS:
+        p_store, d_store = _store_of(p_cfg), _store_of(d_cfg)
+        if p_store != d_store:
+            raise ConfigError(
+                f"decode stage {pair.decode!r} has {_STORE_KEY} {_shown(d_store)} but its "
+                f"prefill stage {pair.prefill!r} ($.stages[{p}]) has {_shown(p_store)}: "
+                f"{p_conn} hands the KV cache over in that directory (set it alike on both, "
+                "or on neither), and a decode looking elsewhere silently recomputes",
+                path=f"{d_where}.kv_transfer_config.kv_connector_extra_config.{_STORE_KEY}",
+                source=source,
+            )
     p_args, d_args = stages[p].engine_args, stages[d].engine_args
     for key, (default, why) in _SAME_ENGINE_ARGS.items():
         p_val, d_val = p_args.get(key, default), d_args.get(key, default)
@@ -264,6 +283,13 @@ def check_pd_pair(stages: Sequence[StageConfig], pair: PDPair, source: str | Non
         p_conn,
         kv_params_required=p_conn not in KV_PARAMS_OPTIONAL_CONNECTORS,
     )
+
+
+def _store_of(cfg: Mapping[str, object]) -> object:
+    # Pure: the directory a connector's extra config names (a path normalised), or None.
+    extra = cfg.get("kv_connector_extra_config")
+    store = extra.get(_STORE_KEY) if isinstance(extra, Mapping) else None
+    return os.path.normpath(store) if isinstance(store, str) and store else store
 
 
 def kv_transfer_config(

@@ -5,7 +5,9 @@ tiny torch vocoder, all built locally on first use. ``tiny-omni-scripted`` has t
 with scripted (model-free) thinker and talker stages, for fast tests and demos without vLLM.
 ``qwen3-omni`` and ``qwen2.5-omni`` are the Qwen-Omni families' stages. ``tiny-image`` is one
 diffusion stage (text to image), ``tiny-llm-image`` an LLM stage whose text a diffusion stage
-renders. Pass a path from here to ``omni_trio.open_engine`` or ``load_config``.
+renders. ``tiny-pd`` is the tiny thinker LLM split into a prefill and a decode engine that
+hand the prompt's KV cache over through vLLM's ``ExampleConnector``. Pass a path from here to
+``omni_trio.open_engine`` or ``load_config``.
 
 :mod:`~omni_trio.pipelines.diffusers_dir` makes the one-stage pipeline of a diffusers
 pipeline directory (``omni-trio serve DIR``).
@@ -28,6 +30,7 @@ PIPELINES: tuple[str, ...] = (
     "qwen2.5-omni",
     "tiny-image",
     "tiny-llm-image",
+    "tiny-pd",
 )
 DEFAULT_PIPELINE = "tiny-omni"
 

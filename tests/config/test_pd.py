@@ -20,6 +20,10 @@ def kv(role: str, connector: str = "NixlConnector", **more: object) -> dict[str,
     return {"kv_transfer_config": {"kv_connector": connector, "kv_role": role, **more}}
 
 
+def store(path: str) -> dict[str, object]:
+    return {"kv_connector_extra_config": {"shared_storage_path": path}}
+
+
 def prefill(sid: str = "p", inputs: list[str] | None = None, **kw: object) -> dict[str, object]:
     return stage(
         sid, inputs=inputs or [], is_prefill_only=True, engine_args=kv("kv_producer"), **kw
@@ -223,6 +227,24 @@ CASES: list[tuple[str, object, str, str]] = [
         "kv_buffer_size 2000000000.0 but",
     ),
     (
+        "ExampleConnector stores in different directories",
+        lambda d: (
+            d["stages"][0].update(engine_args=kv("kv_producer", "ExampleConnector", **store("a"))),
+            d["stages"][1].update(engine_args=kv("kv_consumer", "ExampleConnector", **store("b"))),
+        ),
+        "$.stages[1].engine_args.kv_transfer_config.kv_connector_extra_config.shared_storage_path",
+        "shared_storage_path 'b' but its prefill stage 'p' ($.stages[0]) has 'a'",
+    ),
+    (
+        "ExampleConnector's store set on one side only",
+        lambda d: (
+            d["stages"][0].update(engine_args=kv("kv_producer", "ExampleConnector")),
+            d["stages"][1].update(engine_args=kv("kv_consumer", "ExampleConnector", **store("b"))),
+        ),
+        "$.stages[1].engine_args.kv_transfer_config.kv_connector_extra_config.shared_storage_path",
+        "has unset: ExampleConnector hands the KV cache over in that directory",
+    ),
+    (
         "mismatched models",
         lambda d: d["stages"][1]["engine_args"].update(model="tiny:talker"),
         "$.stages[1].engine_args.model",
@@ -259,6 +281,18 @@ def test_every_pd_check_names_the_broken_field(name, breaks, path, phrase):
     err = error(data)
     assert err.path == path, err
     assert phrase in err.reason, err
+
+
+def test_a_store_named_alike_is_one_store_and_other_connectors_ignore_it():
+    data = pd()
+    data["stages"][0]["engine_args"] = kv("kv_producer", "ExampleConnector", **store("/s/kv/"))
+    data["stages"][1]["engine_args"] = kv("kv_consumer", "ExampleConnector", **store("/s/kv"))
+    (pair,) = pd_pairs(load_config(data).stages)
+    assert pair.connector == "ExampleConnector"
+    # a connector that does not meet in a directory: its extra config is its own business
+    data["stages"][0]["engine_args"] = kv("kv_producer", **store("/a"))
+    data["stages"][1]["engine_args"] = kv("kv_consumer", **store("/b"))
+    assert pd_pairs(load_config(data).stages)[0].connector == "NixlConnector"
 
 
 def test_a_buffer_set_on_one_side_only_is_no_mismatch():
