@@ -21,13 +21,15 @@ guidance ``--guidance`` (classifier-free, against the empty negative prompt).
    image and per wall second (below 1 with one torch thread: the process waited for a core,
    the machine was shared), and for the engines the mean batch (requests per denoise step).
    ``ratios``: each engine's images/s over diffusers' in the same cell and pass (above 1:
-   omni-trio faster), step over request, and each system over its own c = 1 rate (what
-   concurrency buys). ``check``: every image against diffusers' own call for that prompt and
-   seed alone (the warm-up's), the largest difference in uint8 pixel values per system.
+   omni-trio faster), step over request, each system over its own c = 1 rate (what
+   concurrency buys), and each engine's CPU per image over diffusers' (above 1: omni-trio
+   costlier; steadier than wall time on a shared machine). ``check``: every image against
+   diffusers' own call for that prompt and seed alone (the warm-up's), the largest
+   difference in uint8 pixel values per system.
 
 2. Abort latency (``abort``): a victim request of ``--abort-steps`` steps and a neighbour of
    the same shape start together; after a delay drawn uniformly from 10-70% of the pair's
-   unaborted run time (measured first; seeded), ``engine.abort(victim)``, wherever the
+   unaborted run time (the fastest of 3 runs first; seeded), ``engine.abort(victim)``, wherever the
    victim is in its step. ``to_ended_ms``: from the abort call to the victim's stream ending
    (its ``finish_reason="abort"`` output), ``to_return_ms``: to ``abort()`` returning;
    p50/p99. A victim that ended before its abort is counted in ``ended_before_abort``, not
@@ -45,7 +47,7 @@ guidance ``--guidance`` (classifier-free, against the empty negative prompt).
 Timings are wall (``perf_counter``) and process CPU; nothing is asserted on them. Every wait
 on an engine or a diffusers call is bounded by ``--bound-s``. Run it alone on the machine.
 
-    python benchmarks/bench_diffusion.py [--passes 3] [--images 24] [--concurrency 1,4,8]
+    python benchmarks/bench_diffusion.py [--passes 5] [--images 16] [--concurrency 1,4,8]
         [--steps 20] [--size 64] [--guidance 7.5] [--torch-threads 1] [--max-batch-size 8]
         [--abort-runs 20] [--abort-steps 50] [--seed 0] [--bound-s 300] [--quick]
 """
@@ -54,10 +56,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import math
 import random
 import statistics
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,7 +139,7 @@ def summarize_cell(runs: Sequence[CellRun]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "images": sum(len(r.images) for r in runs),
         "images_per_s": spread([r.images_per_s for r in runs]),
-        "cpu_s_per_image": statistics.median(r.cpu_s / len(r.images) for r in runs),
+        "cpu_s_per_image": statistics.median(cpu_per_image(r) for r in runs),
         # below 1 (one torch thread): the process waited for a core
         "cpu_per_wall": statistics.median(r.cpu_s / r.wall_s for r in runs),
     }
@@ -146,13 +149,23 @@ def summarize_cell(runs: Sequence[CellRun]) -> dict[str, Any]:
 
 
 def paired(
-    runs: Sequence[CellRun], top: str, bottom: str, c: int, c_bottom: int | None = None
+    runs: Sequence[CellRun],
+    top: str,
+    bottom: str,
+    c: int,
+    c_bottom: int | None = None,
+    key: Callable[[CellRun], float] | None = None,
 ) -> dict[str, float] | None:
-    """``top``'s images/s over ``bottom``'s (at concurrency ``c_bottom``, default ``c``), pass
-    by pass (the k-th run of each), as median, min and max."""
+    """``key`` (default images/s) of ``top`` over ``bottom``'s (at concurrency ``c_bottom``,
+    default ``c``), pass by pass (the k-th run of each), as median, min and max."""
+    key = key or (lambda run: run.images_per_s)
     tops = [r for r in runs if r.system == top and r.concurrency == c]
     bottoms = [r for r in runs if r.system == bottom and r.concurrency == (c_bottom or c)]
-    return spread([t.images_per_s / b.images_per_s for t, b in zip(tops, bottoms, strict=True)])
+    return spread([key(t) / key(b) for t, b in zip(tops, bottoms, strict=True)])
+
+
+def cpu_per_image(run: CellRun) -> float:
+    return run.cpu_s / len(run.images)
 
 
 def cells_report(runs: Sequence[CellRun], concurrency: Sequence[int]) -> dict[str, Any]:
@@ -167,6 +180,12 @@ def cells_report(runs: Sequence[CellRun], concurrency: Sequence[int]) -> dict[st
             "omni_request_vs_diffusers": paired(runs, "omni_request", "diffusers", c),
             "omni_step_vs_diffusers": paired(runs, "omni_step", "diffusers", c),
             "step_vs_request": paired(runs, "omni_step", "omni_request", c),
+            "omni_request_cpu_vs_diffusers": paired(
+                runs, "omni_request", "diffusers", c, key=cpu_per_image
+            ),
+            "omni_step_cpu_vs_diffusers": paired(
+                runs, "omni_step", "diffusers", c, key=cpu_per_image
+            ),
         }
         base = concurrency[0]
         if c != base:
@@ -446,11 +465,17 @@ class Bench:
     async def abort_trials(self) -> dict[str, Any]:
         steps = self.a.abort_steps
         self.abort_references = {k: await self.hf_call([job(k)], steps) for k in (0, NEIGHBOUR)}
-        # each side's unaborted run time: the delays are drawn from 10-90% of it
-        span = {}
-        for side, mode in ENGINES.items():
-            span[side] = (await self.omni_pair(self.engines[side], f"{mode}-full", None)).to_ended_s
-        span["diffusers_interrupt"] = (await self.hf_interrupted(None)).to_ended_s
+        # each side's unaborted run time, the fastest of 3 (a shared machine slows some): the
+        # delays are drawn from 10-70% of it
+        span: dict[str, float] = {}
+        for k in range(3):
+            for side in ABORT_SIDES:
+                engine = self.engines.get(side)
+                if engine is None:
+                    full = await self.hf_interrupted(None)
+                else:
+                    full = await self.omni_pair(engine, f"{side}-full-{k}", None)
+                span[side] = min(span.get(side, math.inf), full.to_ended_s)
         rng = random.Random(self.a.seed)
         cuts: list[Cut] = []
         for k in range(self.a.abort_runs):
@@ -568,8 +593,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--passes", type=int, default=3)
-    ap.add_argument("--images", type=int, default=24, help="images per system, cell and pass")
+    ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--images", type=int, default=16, help="images per system, cell and pass")
     ap.add_argument("--concurrency", type=csv(int), default=[1, 4, 8])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--size", type=int, default=64, help="height and width (multiple of 8)")

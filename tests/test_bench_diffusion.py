@@ -64,6 +64,9 @@ def test_cells_pair_the_systems_pass_by_pass() -> None:
     # omni_request/diffusers per pass: 0.5 and 1.0; omni_step/omni_request: 2.0 and 0.5
     assert one["ratios"]["omni_request_vs_diffusers"] == {"median": 0.75, "min": 0.5, "max": 1.0}
     assert one["ratios"]["step_vs_request"] == {"median": 1.25, "min": 0.5, "max": 2.0}
+    # CPU per image (half the wall here): omni_request over diffusers 2.0 and 1.0
+    cpu = one["ratios"]["omni_request_cpu_vs_diffusers"]
+    assert cpu == {"median": 1.5, "min": 1.0, "max": 2.0}
     assert "diffusers_vs_its_c1" not in one["ratios"]
     # each system at c=4 over itself at c=1, pass by pass: 2 and 4
     assert four["ratios"]["diffusers_vs_its_c1"] == {"median": 3.0, "min": 2.0, "max": 4.0}
