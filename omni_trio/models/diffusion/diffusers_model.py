@@ -208,6 +208,7 @@ class DiffusersModel:
         ``config_path``) naming what the pipeline lacks for this model to step it."""
         _check_pipeline(pipe, source, config_path)
         self._pipe = pipe
+        self._execution_device: torch.device | None = None  # asked of diffusers once
         self._source = source
         unet_config = pipe.unet.config
         self._vae_scale = int(
@@ -237,8 +238,13 @@ class DiffusersModel:
         return self._pipe
 
     def _device(self) -> torch.device:
-        # under a CPU offload, the accelerator the hooks move each part to
-        device: torch.device = getattr(self._pipe, "_execution_device", self._pipe.device)
+        # under a CPU offload, the accelerator the hooks move each part to; asked once (the
+        # pipeline is placed before this model is made) since diffusers walks every module's
+        # hooks to answer (milliseconds a request)
+        device = self._execution_device
+        if device is None:
+            device = getattr(self._pipe, "_execution_device", self._pipe.device)
+            self._execution_device = device
         return device
 
     def prepare(self, request: ImageRequest) -> DiffusersState:
