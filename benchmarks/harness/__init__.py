@@ -18,5 +18,8 @@ are public, tested where they live (:mod:`omni_trio.testing`).
   engine settings), :mod:`harness.vllm_child` (one system on one cell, in a subprocess),
   :mod:`harness.vllm_trio` (the no-orchestrator trio floor), :mod:`harness.vllm_procs` (the
   processes a run spawned and what outlived it), :mod:`harness.vllm_summary` (a cell's
-  summary); ``bench_heap.py`` drives its batches through :mod:`harness.vllm_cells` too.
+  summary); ``bench_heap.py`` drives its batches through :mod:`harness.vllm_cells` too;
+- :mod:`harness.pd_hand`: a prefill -> decode KV handoff driven by hand on vLLM's CPU build
+  (ExampleConnector, no omni-trio in the request path), and what that connector loads, which
+  ``bench_pd.py`` checks its decodes against.
 """

@@ -61,11 +61,15 @@ def kv_config(role: str, store: str) -> dict[str, Any]:
     }
 
 
-def loaded_tokens(prompt_len: int, block_size: int = BLOCK_SIZE) -> int:
-    """How many prompt tokens ExampleConnector loads for a prompt of ``prompt_len``: whole
-    blocks of the prompt less its last token (vLLM computes at least the last position).
-    Pure."""
-    return max(0, (prompt_len - 2) // block_size * block_size)
+def loaded_tokens(n: int, block_size: int = BLOCK_SIZE) -> int:
+    """How many tokens of an ``n``-token prompt ExampleConnector loads into the decode
+    engine: the whole blocks of the prompt less its last token (vLLM computes at least the
+    last position); none when ``n - 1`` is a multiple of the block size (it stores under the
+    prompt's whole blocks and looks up under those of the prompt less one token, and then
+    the two differ). Pure."""
+    if n < 2 or (n - 1) % block_size == 0:
+        return 0
+    return (n - 2) // block_size * block_size
 
 
 def prompt_counter(counts: dict[str, dict[str, int]], name: str) -> Any:
