@@ -189,7 +189,8 @@ class ObserverSet:
 
     def emit_at(self, t: float, hook: str, *args: object) -> None:
         """:meth:`emit` with the time the event happened (an event reported later)."""
-        for obs, method in list(self._methods(hook)):
+        # a detach replaces the lists (see _changed): this one stays as it is
+        for obs, method in self._methods(hook):
             try:
                 method(*args, t)
             except Exception:
