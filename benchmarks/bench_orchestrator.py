@@ -35,8 +35,9 @@
    killed (with and without restart) and one added mid-run; see bench_replicas.py, which
    runs them on its own too.
 7. With ``--tracing`` (``--tracing-only``: nothing else): what observing and tracing cost
-   (``tracing``): tracing off, an observer overriding no hook, and OpenTelemetry tracing on
-   an in-memory exporter, CPU per request side by side (``harness/tracing_cells.py``).
+   (``tracing``): tracing off, the routing an observer like ``EngineMetrics`` brings, and
+   OpenTelemetry tracing on an in-memory exporter, CPU per request side by side
+   (``harness/tracing_cells.py``).
    ``--tracing-modes off`` runs the off mode alone (it runs on a checkout without tracing).
 
 ``targets`` judges issue 9's model-free targets on these figures.
@@ -46,7 +47,7 @@ Its parts: ``harness/fake_engine_cells.py`` (1), ``harness/scripted_cells.py`` (
 ``omni_trio.testing.FakeEngine`` and ``omni_trio.testing.ExactStepClock``.
 
     python benchmarks/bench_orchestrator.py [--passes 3] [--fake-requests 64] [--quick] [--replicas]
-        [--tracing | --tracing-only [--tracing-modes off,observed,traced]]
+        [--tracing | --tracing-only [--tracing-modes off,routed,traced]]
 """
 
 from __future__ import annotations

@@ -88,12 +88,12 @@ def test_the_hop_memory_and_idle_figures_cover_what_they_say(result):
 
 
 @pytest.mark.slow
-def test_the_tracing_cells_compare_off_observed_and_traced_with_the_spans_each_made():
+def test_the_tracing_cells_compare_off_routed_and_traced_with_the_spans_each_made():
     args = [sys.executable, str(SCRIPT), "--tracing-only", "--quick", "--passes", "1"]
     done = run_bounded(args, 600, "bench_orchestrator.py --tracing-only --quick to end")
     assert done.returncode == 0, done.stderr[-3000:]
     tracing = json.loads(done.stdout)["tracing"]
-    assert tracing["modes"] == ["off", "observed", "traced"]
+    assert tracing["modes"] == ["off", "routed", "traced"]
     # nothing imported OpenTelemetry before the traced runs needed it
     assert tracing["opentelemetry_imported_before_traced_runs"] is False
     cells = tracing["cells"]
@@ -101,6 +101,6 @@ def test_the_tracing_cells_compare_off_observed_and_traced_with_the_spans_each_m
     for cell in cells:
         # off: no observer, no span; traced: a root and one span per stage, per request
         assert (cell["off"]["observers"], cell["off"]["spans_per_request"]) == (0, 0)
-        assert cell["observed"]["spans_per_request"] == 0
+        assert cell["routed"]["spans_per_request"] == 0
         assert cell["traced"]["spans_per_request"] == 1 + cell["stages"]
-        assert cell["traced_cpu_ratio"] > 0 and cell["observed_cpu_ratio"] > 0
+        assert cell["traced_cpu_ratio"] > 0 and cell["routed_cpu_ratio"] > 0

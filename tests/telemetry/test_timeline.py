@@ -5,6 +5,7 @@ as Chrome trace events. Scripted stages on the MockClock, the observers on the t
 from __future__ import annotations
 
 import json
+import sys
 from collections import defaultdict
 
 import pytest
@@ -149,3 +150,36 @@ def test_run_writes_the_timeline_file(tmp_path, capsys):
     missing = tmp_path / "missing" / "out.json"
     assert main(["run", pipeline(tmp_path), "--prompt", "hi", "--timeline", str(missing)]) == 2
     assert "--timeline" in capsys.readouterr().err and not missing.parent.exists()
+
+
+def test_the_readme_picture_is_drawn_from_the_file(tmp_path, monkeypatch):
+    # docs/render_timeline.py: the file's rows and panels (pure), then a PNG of them
+    pytest.importorskip("PIL")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "render_timeline.py"
+    spec = importlib.util.spec_from_file_location("render_timeline", path)
+    assert spec is not None and spec.loader is not None
+    render = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, render)  # its dataclasses look it up
+    spec.loader.exec_module(render)
+    rec = RequestRecord("x", 10.0, ("a", "b"), ended=12.0, status="finished")
+    rec.stages["a"] = StageRun("a", 10.0, ended=11.0, status="finished", first_output=10.5)
+    rec.stages["b"] = StageRun("b", 10.0, ended=12.0, status="finished", first_input=11.0)
+    trace = chrome_trace([rec], {"a": [{"start": 9.0, "engine_ready": 9.5}]})
+    startup, requests = render.layout(trace["traceEvents"])
+    assert [r.label for r in startup.rows] == ["a[0]"]
+    assert [r.label for r in requests.rows] == ["x  a", "x  b"]
+    assert (requests.start, requests.end) == (1.0, 3.0)  # seconds from the earliest mark
+    assert requests.rows[0].ticks == [1.5]
+    assert ("waiting for input", 1.0, 2.0) in requests.rows[1].slices
+    out = tmp_path / "t.png"
+    assert render.main([str(_write(tmp_path, trace)), str(out)]) == 0
+    assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def _write(tmp_path, trace):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(trace))
+    return path

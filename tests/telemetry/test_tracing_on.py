@@ -77,7 +77,8 @@ def test_the_tracing_key_is_checked_and_true_is_short_for_enabled():
 
 async def test_an_engine_with_tracing_on_exports_its_spans_over_otlp(monkeypatch):
     for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "")  # restored as it was after the test, even if unset
+        monkeypatch.delenv(var)
     with otlp_receiver() as rx:
         tracing = {"enabled": True, "otlp_traces_endpoint": rx.endpoint}
         async with omni_trio.open_engine(

@@ -21,11 +21,14 @@ TRACEPARENT = f"00-{CALLER_TRACE}-eee19b7ec3c1b174-01"
 
 async def test_vllms_span_nests_under_the_stage_span(monkeypatch):
     # vLLM exports with its own provider, over the protocol this variable names; it also
-    # sets OTEL_EXPORTER_OTLP_TRACES_ENDPOINT for its processes: undone after the test
+    # sets OTEL_EXPORTER_OTLP_TRACES_ENDPOINT in this process (for its workers), which would
+    # turn tracing on for every later engine and subprocess: undone after the test (a
+    # delenv of an unset variable records nothing to undo, a setenv does)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s, not 5 s
     for var in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     with otlp_receiver() as rx:
         config = {
             "name": "traced",
