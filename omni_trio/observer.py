@@ -15,6 +15,7 @@ interleave with another stage's (they run in their own tasks), and a stage that 
 to run (the request ended first) has no ``stage_started``.
 
 Every hook has a no-op default, so an observer written against fewer hooks keeps working.
+``detached`` comes once, last, when the observer is removed or detached for raising.
 :meth:`EngineObserver.stage_trace_headers` is the one hook that answers: a tracer returns the
 W3C headers of its stage span, which a vllm stage hands to vLLM.
 
@@ -128,6 +129,10 @@ class EngineObserver:
         ``stage_bound``."""
         return None
 
+    def detached(self, t: float) -> None:
+        """It gets no more events: it was removed, or detached because one of its hooks
+        raised. Called once; end what it holds open (a tracer ends its open spans)."""
+
 
 #: an observer's bound hook method
 _Method = Callable[[*tuple[object, ...]], object]
@@ -153,6 +158,12 @@ class ObserverSet:
     def remove(self, observer: EngineObserver) -> None:
         self._observers.remove(observer)
         self._changed()
+        detached = getattr(observer, "detached", None)
+        if detached is not None:  # an observer written before the hook has none
+            try:
+                detached(self.clock())
+            except Exception:
+                logger.exception("observer %r raised in detached", observer)
 
     def _changed(self) -> None:
         self._hooks.clear()

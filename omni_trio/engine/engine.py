@@ -415,8 +415,9 @@ class Engine:
         self.orchestrator.observers.add(observer)
 
     def remove_observer(self, observer: EngineObserver) -> None:
-        """Detach an observer :meth:`add_observer` attached. Synchronous. Raises
-        ValueError if it is not attached."""
+        """Detach an observer :meth:`add_observer` attached; its ``detached`` hook runs
+        (a tracer ends the spans it holds open). Synchronous. Raises ValueError if it is
+        not attached."""
         self.orchestrator.observers.remove(observer)
 
     @property

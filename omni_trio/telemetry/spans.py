@@ -27,6 +27,8 @@ still open when the request ends (a stage that never got to run has no span). A 
 sampled out (``sample_ratio``, or a caller's trace that is not sampled) gets no stage spans;
 its stages hand their engines its root's unsampled context. The tracer
 holds nothing of a request once it ended (:attr:`RequestTracer.open_spans` is 0 when idle).
+Detached (removed from the engine, or for a hook that raised), it ends every span it holds
+open, with ``tracing.detached`` set and no outcome.
 Hooks are synchronous and never checkpoint.
 """
 
@@ -338,6 +340,20 @@ class RequestTracer(EngineObserver):
             attributes[P + "stage.time_to_first_output_s"] = run.first_output - run.started
         run.span.set_attributes(attributes)
         run.span.end(end_time=self._ns(t))
+
+    def detached(self, t: float) -> None:
+        # removed, or detached because a hook raised: what is open ends now, marked as
+        # ended by the detach (the request's outcome is not known here)
+        requests, self._requests = self._requests, {}
+        for request_id, req in requests.items():
+            try:
+                for run in req.stages.values():
+                    run.span.set_attribute(P + "tracing.detached", True)
+                    run.span.end(end_time=self._ns(t))
+                req.root.set_attribute(P + "tracing.detached", True)
+                req.root.end(end_time=self._ns(t))
+            except Exception:
+                logger.exception("ending the spans of request %r failed", request_id)
 
     # -- the HTTP side and shutdown ------------------------------------------------------
     @contextmanager

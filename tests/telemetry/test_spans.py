@@ -318,3 +318,43 @@ async def test_an_observer_without_the_new_hooks_keeps_working(autojump_clock):
         assert not engine.orchestrator.observers
     assert seen[0] == ("started", "o") and seen[-1] == ("finished", "finished")
     assert sorted(seen[1:-1]) == [("stage", "s0", "finished"), ("stage", "s1", "finished")]
+
+
+class _Raising(RequestTracer):
+    """A tracer with a bug: its third stage output raises."""
+
+    calls = 0
+
+    def stage_delta(self, request_id: str, stage_id: str, output: object, t: float) -> None:
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("a bug in the tracer")
+        super().stage_delta(request_id, stage_id, output, t)
+
+
+@pytest.mark.parametrize("how", ["raises", "removed"])
+async def test_a_detached_tracer_ends_the_spans_it_held_open(autojump_clock, how):
+    cfg = scripted_pipeline(2, outputs=4, latency_s=0.1, stream_input=True)
+    async with omni_trio.open_engine(cfg) as engine:
+        t = traced_engine(engine)
+        engine.remove_observer(t.tracer)  # a detach with nothing open ends nothing
+        assert t.spans() == ()
+        tracer = _Raising(engine.config, t.tracer._provider)
+        engine.add_observer(tracer)
+        async with engine.generate(PROMPT, request_id="d") as stream:
+            outs = [await stream.receive()]
+            if how == "removed":
+                assert tracer.open_spans == 3
+                engine.remove_observer(tracer)
+            outs += [out async for out in stream]
+        # the request is unaffected by its tracer going
+        assert outs[-1].finished and len(outs) == 4
+        assert not engine.orchestrator.observers
+        assert_nothing_in_flight(engine)
+    assert tracer.open_spans == 0
+    t.check_ended()
+    root, stages = t.of("d")
+    assert len(stages) == 2
+    for span in (root, *stages):
+        assert attr(span, "tracing.detached") is True
+    assert attr(root, "request.outcome") is None
