@@ -316,13 +316,18 @@ class Engine:
 
     # -- live sessions -----------------------------------------------------------------------
     def open_session(
-        self, session_id: str | None = None, *, config: Mapping[str, object] | None = None
+        self,
+        session_id: str | None = None,
+        *,
+        config: Mapping[str, object] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AbstractAsyncContextManager[Session]:
         """Open a live session (:mod:`omni_trio.engine.live_session`): ``async with
         engine.open_session() as session: ...``. ``config`` sets what its turns use
-        (``sampling_params``, ``output_modalities``; see :meth:`Session.update`). Leaving the
-        block closes the session (its responses cancelled, every stage dropped them) unless
-        it was detached.
+        (``sampling_params``, ``output_modalities``; see :meth:`Session.update`).
+        ``trace_headers`` (W3C ``traceparent``) is the trace each turn's request continues,
+        as :meth:`generate`'s. Leaving the block closes the session (its responses
+        cancelled, every stage dropped them) unless it was detached.
 
         Entering checkpoints; cancelled, nothing is opened. Raises
         :class:`SessionLimitError` (retryable) at ``sessions.max_sessions`` (closing
@@ -330,13 +335,20 @@ class Engine:
         :class:`SessionExistsError` for an id that is open (the first is untouched),
         :class:`InvalidRequestError` for a bad id or config, :class:`EngineClosedError`.
         """
-        return session_block(self._live.open(session_id, config))
+        return session_block(self._live.open(session_id, config, trace_headers))
 
     def resume_session(
-        self, session_id: str, token: str, *, last_seq: int = 0
+        self,
+        session_id: str,
+        token: str,
+        *,
+        last_seq: int = 0,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AbstractAsyncContextManager[Session]:
         """Take back a detached session with the token :meth:`Session.detach` returned; its
-        ``events()`` replays every event after ``last_seq`` from the journal. The lease's
+        ``events()`` replays every event after ``last_seq`` from the journal. Its later
+        turns continue the resumer's trace (``trace_headers``, as :meth:`open_session`'s),
+        not the opener's. The lease's
         generation is compared and swapped with no checkpoint in between, so of two
         resumers with the same token one wins. Leaving the block closes the session unless
         it was detached again.
@@ -344,7 +356,7 @@ class Engine:
         Entering checkpoints. Raises :class:`SessionResumeError`: unknown or closed
         session, not detached, a stale token, ``last_seq`` older than the journal holds.
         """
-        return session_block(self._live.resume(session_id, token, last_seq))
+        return session_block(self._live.resume(session_id, token, last_seq, trace_headers))
 
     # -- admission -----------------------------------------------------------------------------
     async def pause(self) -> None:

@@ -85,7 +85,12 @@ class SessionRegistry:
         """Sessions detached and waiting for a resume. O(sessions)."""
         return sum(1 for core in self._sessions.values() if core.lease == "detached")
 
-    async def open(self, session_id: str | None, config: Mapping[str, object] | None) -> Session:
+    async def open(
+        self,
+        session_id: str | None,
+        config: Mapping[str, object] | None,
+        trace_headers: Mapping[str, str] | None = None,
+    ) -> Session:
         await trio.lowlevel.checkpoint_if_cancelled()
         sid = uuid.uuid4().hex if session_id is None else session_id
         try:
@@ -111,7 +116,12 @@ class SessionRegistry:
             await trio.lowlevel.cancel_shielded_checkpoint()
             raise
         core = self._sessions[sid] = SessionCore(  # the slot, taken now
-            sid, settings, generate=self.generate, limits=self.limits, release=self.release
+            sid,
+            settings,
+            generate=self.generate,
+            limits=self.limits,
+            release=self.release,
+            trace_headers=trace_headers,
         )
         assert self._nursery is not None
         try:
@@ -122,7 +132,13 @@ class SessionRegistry:
         self.opened_total += 1
         return Session(core, core.generation, 0)
 
-    async def resume(self, session_id: str, token: str, last_seq: int) -> Session:
+    async def resume(
+        self,
+        session_id: str,
+        token: str,
+        last_seq: int,
+        trace_headers: Mapping[str, str] | None = None,
+    ) -> Session:
         await trio.lowlevel.checkpoint_if_cancelled()
         try:
             core = self._sessions.get(session_id)
@@ -142,6 +158,7 @@ class SessionRegistry:
             await trio.lowlevel.cancel_shielded_checkpoint()
             raise
         generation = core.new_lease("attached", None)  # the swap: no checkpoint since the check
+        core.trace_headers = trace_headers
         core.touch()
         core.journal.restart_delivery(last_seq)
         await trio.lowlevel.cancel_shielded_checkpoint()

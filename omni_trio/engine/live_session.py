@@ -87,6 +87,7 @@ class Generate(Protocol):
         *,
         streaming_input: bool = ...,
         output_modalities: Sequence[str] | None = ...,
+        trace_headers: Mapping[str, str] | None = ...,
     ) -> RequestStream: ...
 
 
@@ -173,8 +174,11 @@ class SessionCore:
         generate: Generate,
         limits: SessionsConfig,
         release: Callable[[SessionCore], None],
+        trace_headers: Mapping[str, str] | None = None,
     ) -> None:
         self.generate = generate
+        #: the trace context its turns continue (who opened or last resumed it)
+        self.trace_headers = trace_headers
         self.limits = limits
         self._release = release  # gives the admission slot back, once the session ended
         self.session_id = session_id
@@ -276,6 +280,7 @@ class SessionCore:
             sampling_params=self.settings.get("sampling_params"),
             streaming_input=True,
             output_modalities=self.settings.get("output_modalities"),  # type: ignore[arg-type]
+            trace_headers=self.trace_headers,
         )
         turn = _Turn(turn_id, self.epoch, response_id, stream)
         await nursery.start(self._run_turn, turn)

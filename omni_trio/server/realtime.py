@@ -19,6 +19,7 @@ import json
 import logging
 import secrets
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,7 @@ from .realtime_protocol import (
     parse_client_event,
     server_events,
 )
+from .tracing import request_trace_headers
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
@@ -123,7 +125,7 @@ class RealtimeEndpoint:
         await websocket.accept()
         self.connections += 1
         try:
-            await _Connection(self, websocket).run()
+            await _Connection(self, websocket, request_trace_headers()).run()
         finally:
             self.connections -= 1
 
@@ -135,8 +137,15 @@ class RealtimeEndpoint:
 
 
 class _Connection:
-    def __init__(self, endpoint: RealtimeEndpoint, websocket: WebSocket) -> None:
+    def __init__(
+        self,
+        endpoint: RealtimeEndpoint,
+        websocket: WebSocket,
+        trace_headers: Mapping[str, str] | None,
+    ) -> None:
         self.endpoint = endpoint
+        #: the upgrade request's trace context: the turns of its session continue it
+        self.trace_headers = trace_headers
         self.engine = endpoint.engine
         self.ws = websocket
         self.session: Session | None = None
@@ -262,7 +271,9 @@ class _Connection:
                 self.nursery = nursery
                 nursery.start_soon(self._writer_guarded)
                 try:
-                    session = await self.stack.enter_async_context(self.engine.open_session())
+                    session = await self.stack.enter_async_context(
+                        self.engine.open_session(trace_headers=self.trace_headers)
+                    )
                 except OmniTrioError as exc:
                     self.push_error(str(exc), _error_code(exc), None, type_="server_error")
                     await self._drain_and_close(1013)
@@ -450,7 +461,9 @@ class _Connection:
         stack = AsyncExitStack()
         try:
             new = await stack.enter_async_context(
-                self.engine.resume_session(sid, kept[1], last_seq=command.last_seq)
+                self.engine.resume_session(
+                    sid, kept[1], last_seq=command.last_seq, trace_headers=self.trace_headers
+                )
             )
         finally:
             del ep.detached[sid]  # used, or useless: the session is not open

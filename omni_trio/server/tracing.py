@@ -1,12 +1,15 @@
 """Trace context through the server: the HTTP request's W3C ``traceparent`` continues into
-the engine's request (and on to vLLM).
+the engine's request (and on to vLLM), and a WebSocket's upgrade request's into the turns of
+its live session.
 
 :class:`TraceContext` is pure-ASGI middleware. For each HTTP request it picks the request's
 ``traceparent`` and ``tracestate`` headers; when the engine traces
 (:attr:`Engine.tracer <omni_trio.engine.engine.Engine.tracer>`), it also opens a SERVER span
 for the HTTP request (``POST /v1/chat/completions``, its status code, continuing the
-caller's trace) and hands on that span's context instead. The handlers pass
-:func:`request_trace_headers` as ``generate(trace_headers=)``: the engine's request span then
+caller's trace) and hands on that span's context instead; a WebSocket's span (``GET
+/v1/realtime``) lasts as long as its connection. The handlers pass
+:func:`request_trace_headers` as ``generate(trace_headers=)`` (the realtime endpoint as its
+session's, for every turn): the engine's request span then
 nests under the HTTP span, and a vllm stage gives vLLM its stage span's context. Without
 tracing the caller's headers go to the engine as they came (vLLM's own span then continues
 the caller's trace). Nothing here imports OpenTelemetry.
@@ -56,7 +59,7 @@ class TraceContext:
         self._tracer = tracer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         incoming = incoming_trace_headers(scope)
@@ -68,12 +71,17 @@ class TraceContext:
             finally:
                 _HEADERS.reset(token)
             return
-        with tracer.http_span(scope["method"], scope["path"], incoming or {}) as status:
+        # a websocket's span is its upgrade request's, open as long as the connection
+        method = scope.get("method", "GET")
+        with tracer.http_span(method, scope["path"], incoming or {}) as status:
             token = _HEADERS.set(status(0))
 
             async def send_status(message: Message) -> None:
-                if message["type"] == "http.response.start":
+                kind = message["type"]
+                if kind in ("http.response.start", "websocket.http.response.start"):
                     status(int(message["status"]))
+                elif kind == "websocket.accept":
+                    status(101)
                 await send(message)
 
             try:

@@ -22,6 +22,7 @@ from omni_trio import (
     StaleFenceError,
     open_engine,
 )
+from omni_trio.observer import EngineObserver
 from omni_trio.testing import (
     assert_nothing_in_flight,
     cancel_at_every_checkpoint,
@@ -42,6 +43,16 @@ def pipeline(**options):
         replicas=replicas,
         **options,
     )
+
+
+class RequestInfos(EngineObserver):
+    """The trace headers each request was admitted with."""
+
+    def __init__(self):
+        self.headers = {}
+
+    def request_info(self, request_id, info, t):
+        self.headers[request_id] = info.trace_headers
 
 
 def sessions_config(**limits):
@@ -577,6 +588,30 @@ async def test_detach_then_resume_replays_and_a_stale_token_loses(autojump_clock
                 pass
         async with engine.resume_session("s", token2, last_seq=replayed[-1].seq) as again:
             await again.append([4])
+        assert_all_closed(engine)
+
+
+async def test_turns_continue_the_trace_of_who_opened_or_last_resumed_the_session(
+    autojump_clock,
+):
+    opener = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    resumer = {"traceparent": "00-5bf92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-01"}
+    limits = sessions_config(detach_grace_s=5.0)
+    async with open_engine(pipeline(outputs=2, engine_options=limits)) as engine:
+        infos = RequestInfos()
+        engine.add_observer(infos)
+        async with engine.open_session("s", trace_headers=opener) as session:
+            await session.append([1])
+            await session.commit()
+            events = await read_until(session, done_of("s/turn-0"))
+            token = await session.detach()
+        async with engine.resume_session(
+            "s", token, last_seq=events[-1].seq, trace_headers=resumer
+        ) as resumed:
+            await resumed.append([2])
+            await resumed.commit()
+            await read_until(resumed, done_of("s/turn-1"))
+        assert infos.headers == {"s/turn-0": opener, "s/turn-1": resumer}
         assert_all_closed(engine)
 
 

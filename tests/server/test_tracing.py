@@ -4,6 +4,9 @@ with tracing off, the caller's headers reach the engine as they came."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import openai
 import trio
 
 from omni_trio.observer import EngineObserver, RequestInfo
@@ -12,11 +15,18 @@ from omni_trio.testing import scripted_pipeline
 
 from ..otlp_receiver import otlp_receiver
 from .conftest import client_for, running_server
+from .test_realtime import in_thread, read_until, send_resume, user_text
+from .test_realtime import pipeline as realtime_pipeline
 
 CALLER_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN = "b7ad6b7169203331"
 TRACEPARENT = f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"
 BODY = {"model": "scripted", "prompt": "hello", "max_tokens": 4}
+
+
+def connect(base: str, headers: dict[str, str]) -> Any:
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    return client.realtime.connect(model="scripted", max_retries=0, extra_headers=headers)
 
 
 class Infos(EngineObserver):
@@ -82,3 +92,64 @@ async def test_without_tracing_the_callers_headers_reach_the_engine():
     first, second = infos.infos.values()
     assert first.trace_headers == headers
     assert second.trace_headers is None
+
+
+async def test_a_websockets_traceparent_continues_into_its_sessions_turns():
+    # the first connection's turn continues its caller's trace; the session resumed on a
+    # second connection continues that one's
+    resumer_trace = "5bf92f3577b34da6a3ce929d0e0e4736"
+    resumer = f"00-{resumer_trace}-{CALLER_SPAN}-01"
+
+    def first(base: str) -> tuple[str, str]:
+        with connect(base, {"traceparent": TRACEPARENT}) as conn:
+            created = read_until(conn, "session.created")[-1]
+            user_text(conn, "one")
+            conn.response.create()
+            read_until(conn, "response.done")
+            return created.session.id, created.session.resume_token
+
+    def second(base: str, sid: str, token: str) -> None:
+        with connect(base, {"traceparent": resumer}) as conn:
+            read_until(conn, "session.created")
+            send_resume(conn, sid, token, 0)
+            read_until(conn, "session.resumed")
+            user_text(conn, "two")
+            conn.response.create()
+            read_until(conn, "response.done")
+
+    config = realtime_pipeline(outputs=2, sessions={"detach_grace_s": 30})
+    with otlp_receiver() as rx:
+        tracing = {"enabled": True, "otlp_traces_endpoint": rx.endpoint}
+        async with running_server(config, tracing=tracing) as (_, base):
+            sid, token = await in_thread(first, base)
+            await in_thread(second, base, sid, token)
+        spans = rx.spans()
+    sockets = {s.trace_id: s for s in spans if s.name == "GET /v1/realtime"}
+    assert set(sockets) == {CALLER_TRACE, resumer_trace}
+    assert {s.parent_span_id for s in sockets.values()} == {CALLER_SPAN}
+    assert sockets[CALLER_TRACE].attributes["http.response.status_code"] == 101
+    roots = {
+        s.attributes["omni_trio.request.id"]: s for s in spans if s.name == "omni_trio.request"
+    }
+    assert set(roots) == {f"{sid}/turn-0", f"{sid}/turn-1"}
+    for turn, trace_id in ((0, CALLER_TRACE), (1, resumer_trace)):
+        root = roots[f"{sid}/turn-{turn}"]
+        assert (root.trace_id, root.parent_span_id) == (trace_id, sockets[trace_id].span_id)
+
+
+async def test_without_tracing_a_websockets_headers_reach_its_turns():
+    headers = {"traceparent": TRACEPARENT, "tracestate": "vendor=1"}
+
+    def converse(base: str) -> None:
+        with connect(base, headers) as conn:
+            read_until(conn, "session.created")
+            user_text(conn, "one")
+            conn.response.create()
+            read_until(conn, "response.done")
+
+    async with running_server(realtime_pipeline(outputs=2)) as (engine, base):
+        infos = Infos()
+        engine.add_observer(infos)
+        await in_thread(converse, base)
+    ((request_id, info),) = infos.infos.items()
+    assert request_id.endswith("/turn-0") and info.trace_headers == headers
