@@ -65,9 +65,10 @@ go to ``AsyncLLM.add_request`` (:func:`~._vllm_protocol.request_options`). ``pri
 and ``tokenization_kwargs`` only an entry stage (they concern the caller's prompt and model).
 ``tokenization_kwargs`` are applied where the prompt is rendered (vLLM reads them only for raw
 prompts). ``priority`` matters under ``engine_args: {scheduling_policy: priority}`` (lower
-first); vLLM keeps ``trace_headers`` only when ``otlp_traces_endpoint`` is set (otherwise it
-warns once and drops them). An option vLLM refuses (a LoRA on an engine without
-``enable_lora``) fails the request with :class:`~omni_trio.errors.InvalidRequestError`.
+first); ``trace_headers`` go to vLLM only when the stage's ``otlp_traces_endpoint`` is set
+(vLLM drops them otherwise, with a warning that tracing is disabled). An option
+vLLM refuses (a LoRA on an engine without ``enable_lora``) fails the request with
+:class:`~omni_trio.errors.InvalidRequestError`.
 
 ``collective_rpc(method, args, kwargs)`` passes through to ``AsyncLLM.collective_rpc``, except
 these control methods, answered by the backend: ``get_num_unfinished_requests``,
@@ -157,6 +158,8 @@ class VllmBackend(StageBackend):
         )
         self._abort_timeout = self.options.abort_timeout_s
         self._entry = not config.inputs  # takes the caller's prompt (see request_options)
+        # vLLM traces (and takes trace headers) only with an endpoint of its own
+        self._traced = bool(config.engine_args.get("otlp_traces_endpoint"))
 
     @property
     def thread_name(self) -> str:
@@ -350,7 +353,11 @@ class VllmBackend(StageBackend):
         ended = finished = False
         try:
             context = self.request_context(request_id)
-            options = None if context is None else request_options(context, entry=self._entry)
+            options = (
+                None
+                if context is None
+                else request_options(context, entry=self._entry, traced=self._traced)
+            )
             submit = Submit(
                 request_id, prompt, sampling_params, final_only, flow, options, segmented, text
             )

@@ -172,21 +172,23 @@ def engine_died(name: str, exc: BaseException) -> outcome.Error:
 
 
 # -- pure helpers -------------------------------------------------------------------------
-def request_options(context: RequestContext, *, entry: bool) -> dict[str, Any] | None:
+def request_options(context: RequestContext, *, entry: bool, traced: bool) -> dict[str, Any] | None:
     """The per-request options of ``context`` a vllm stage hands to vLLM, those that are not
     vLLM's defaults, or ``None`` (the usual case, decided without building a dict). Pure.
 
     ``priority``, ``arrival_time`` and ``trace_headers`` go to every vllm stage of the request
-    (``AsyncLLM.add_request`` keywords). ``lora_request`` and ``tokenization_kwargs`` concern
-    the prompt the caller gave and the model it addressed, so only an entry stage takes them:
-    a downstream stage's prompt is token ids from upstream, often for another model. The
-    worker applies ``tokenization_kwargs`` where the prompt is tokenized (it renders prompts
-    itself; vLLM reads them only for raw prompts).
+    (``AsyncLLM.add_request`` keywords); ``trace_headers`` only to an engine that traces
+    (``traced``: its ``otlp_traces_endpoint`` is set): any other engine drops them, with a
+    warning that tracing is disabled. ``lora_request`` and
+    ``tokenization_kwargs`` concern the prompt the caller gave and the model it addressed, so
+    only an entry stage takes them: a downstream stage's prompt is token ids from upstream,
+    often for another model. The worker applies ``tokenization_kwargs`` where the prompt is
+    tokenized (it renders prompts itself; vLLM reads them only for raw prompts).
     """
     if (
         context.priority == 0
         and context.arrival_time is None
-        and context.trace_headers is None
+        and (context.trace_headers is None or not traced)
         and (not entry or (context.lora_request is None and context.tokenization_kwargs is None))
     ):
         return None
@@ -195,7 +197,7 @@ def request_options(context: RequestContext, *, entry: bool) -> dict[str, Any] |
         options["priority"] = context.priority
     if context.arrival_time is not None:
         options["arrival_time"] = float(context.arrival_time)
-    if context.trace_headers is not None:
+    if traced and context.trace_headers is not None:
         options["trace_headers"] = dict(context.trace_headers)
     if entry and context.lora_request is not None:
         options["lora_request"] = context.lora_request

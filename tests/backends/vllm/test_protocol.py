@@ -94,8 +94,8 @@ def test_request_options_only_what_is_not_vllms_default() -> None:
     from omni_trio.context import RequestContext
 
     plain = RequestContext("r", "hi")
-    assert request_options(plain, entry=True) is None
-    assert request_options(plain, entry=False) is None
+    assert request_options(plain, entry=True, traced=True) is None
+    assert request_options(plain, entry=False, traced=True) is None
     full = RequestContext(
         "r",
         "hi",
@@ -105,7 +105,7 @@ def test_request_options_only_what_is_not_vllms_default() -> None:
         trace_headers={"traceparent": "00-abc"},
         tokenization_kwargs={"truncate_prompt_tokens": 2},
     )
-    assert request_options(full, entry=True) == {
+    assert request_options(full, entry=True, traced=True) == {
         "priority": -2,
         "arrival_time": 12.0,
         "trace_headers": {"traceparent": "00-abc"},
@@ -113,14 +113,21 @@ def test_request_options_only_what_is_not_vllms_default() -> None:
         "tokenization_kwargs": {"truncate_prompt_tokens": 2},
     }
     # a downstream stage's prompt is upstream tokens: the prompt's options stay upstream
-    assert request_options(full, entry=False) == {
+    assert request_options(full, entry=False, traced=True) == {
         "priority": -2,
         "arrival_time": 12.0,
         "trace_headers": {"traceparent": "00-abc"},
     }
+    # an engine without an otlp_traces_endpoint would drop them with a warning
+    assert request_options(full, entry=False, traced=False) == {
+        "priority": -2,
+        "arrival_time": 12.0,
+    }
+    only_trace = RequestContext("r", "hi", trace_headers={"traceparent": "00-abc"})
+    assert request_options(only_trace, entry=True, traced=False) is None
     only_prompt = RequestContext("r", "hi", tokenization_kwargs={"add_special_tokens": False})
-    assert request_options(only_prompt, entry=False) is None
-    assert request_options(only_prompt, entry=True) == {
+    assert request_options(only_prompt, entry=False, traced=True) is None
+    assert request_options(only_prompt, entry=True, traced=True) == {
         "tokenization_kwargs": {"add_special_tokens": False}
     }
 
