@@ -25,6 +25,12 @@ Systems, each run in a fresh subprocess:
   exported to an in-memory exporter (``spans`` counts them). ``tracing_ratio`` and
   ``tracing_cpu_ratio`` compare it with ``omni``, run for run (below 1: tracing costs
   throughput; above 1: it costs CPU).
+- ``tracing_ab`` (only with ``--systems``): ``omni`` with tracing switched on (the in-memory
+  exporter) and off between batches in one process, ABBA (``2 x --batches`` timed batches):
+  the same engines on the same cores, so the run-to-run spread of separate processes does not
+  enter. ``tracing_ab_ratio`` and ``tracing_ab_cpu_ratio`` are on/off of each run's median
+  batch requests/s and CPU per request-stage; ``tracing_ab_loop_ms`` the trio loop's CPU per
+  request-stage, off and on.
 - ``trio`` (only with ``--systems``): the floor under omni-trio's design, the least a trio
   program pays to drive the same engines from worker threads with no orchestrator
   (``harness/vllm_trio.py``). ``trio_ratio`` and ``trio_cpu_ratio`` compare it with
@@ -70,7 +76,8 @@ Reading the output (one JSON object on stdout; progress on stderr):
 
     python benchmarks/bench_vllm_pipeline.py [--stages 1,2,3] [--layouts core0,spread]
         [--passes 3] [--requests 64] [--tokens 16] [--batches 3]
-        [--systems hand,omni[,omni_ta][,omni_traced][,trio][,shared]] [--idle-s 0]
+        [--systems hand,omni[,omni_ta][,omni_traced][,tracing_ab][,trio][,shared]]
+        [--idle-s 0]
         [--child-timeout 1200]
 """
 

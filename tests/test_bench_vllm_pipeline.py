@@ -348,3 +348,41 @@ def test_tracing_on_is_compared_with_omni_run_for_run() -> None:
     assert bench.parse_args(["--systems", "omni,omni_traced"]).systems == ["omni", "omni_traced"]
     plain = summary.summarize_cell(3, "spread", [{"omni": p["omni"]} for p in passes], ["omni"])
     assert "tracing_ratio" not in plain
+
+
+def test_tracing_ab_alternates_abba_and_reports_on_over_off(monkeypatch) -> None:
+    import types
+
+    import trio
+
+    assert pipeline_cells.ab_order(3) == [False, True, True, False, False, True]
+    child = importlib.import_module("harness.vllm_child")
+    modes: list[bool] = []
+    now = [0.0]
+    clock = types.SimpleNamespace(perf_counter=lambda: now[0], process_time=time.process_time)
+    monkeypatch.setattr(child, "time", clock)
+
+    async def batch(tag: str) -> list[int]:
+        if tag != "warm":
+            now[0] += 2.0 if modes[-1] else 1.0  # a traced batch takes twice as long
+        return [4] * 2
+
+    a = bench.parse_args(["--requests", "2", "--tokens", "4", "--batches", "2"])
+    a.child_stages = 1
+    timing = trio.run(child.run_ab_batches, batch, modes.append, a)
+    # two of each mode, tracing off again at the end
+    assert modes == [False, True, True, False, False]
+    assert timing["tokens_ok"] and timing["walls"] == [1.0, 2.0, 2.0, 1.0]
+    ab = timing["ab"]
+    assert ab["ratio"] == 0.5
+    assert (ab["on"]["requests_per_s"]["median"], ab["off"]["requests_per_s"]["median"]) == (1, 2)
+    assert set(ab["off"]["cpu_split_ms"]) == {"loop", "engine_threads", "other"}
+    # the summary: its on/off ratios over the passes, and the loop's CPU per mode
+    result = {**_result(50, 1.0), "ab": ab}
+    cell = summary.summarize_cell(1, "spread", [{"tracing_ab": result}] * 2, ["tracing_ab"])
+    assert cell["tracing_ab_ratio"]["median"] == 0.5
+    row = summary.summary_row(cell)
+    assert row["tracing_ab_ratio"] == 0.5
+    assert set(row["tracing_ab_loop_ms"]) == {"off", "on"}
+    run = pipeline_cells.Run(0, 1, "spread", "tracing_ab")
+    assert "tracing on/off 0.500" in summary.describe(run, result)

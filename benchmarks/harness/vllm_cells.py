@@ -12,7 +12,7 @@ from omni_trio.backends.vllm.protocol import CPU_ENGINE_DEFAULTS
 
 PROMPTS = [f"request {i}: the tiny omni model sings a song about the river" for i in range(997)]
 LAYOUTS = ("core0", "spread")
-SYSTEMS = ("hand", "omni", "omni_ta", "omni_traced", "trio", "shared")
+SYSTEMS = ("hand", "omni", "omni_ta", "omni_traced", "tracing_ab", "trio", "shared")
 #: what runs unless asked: ``omni_ta`` (omni-trio with its engines on trio-asyncio's loop),
 #: ``trio`` and ``shared`` (the floors under omni-trio's design, with a thread per engine or one
 #: for all) only on request
@@ -26,6 +26,15 @@ OMNI_LOOPS = {"omni": "asyncio", "omni_ta": "trio-asyncio"}
 #: ``omni`` with OpenTelemetry tracing on (an in-memory exporter); a cell compares it with
 #: ``omni`` run for run in ``tracing_ratio`` and ``tracing_cpu_ratio``
 TRACED = "omni_traced"
+#: ``omni`` with tracing switched on and off batch by batch in one process (the same engines
+#: on the same cores): ``tracing_ab_ratio`` and ``tracing_ab_cpu_ratio``, on/off
+TRACING_AB = "tracing_ab"
+
+
+def ab_order(batches: int) -> list[bool]:
+    """Whether each of ``2 * batches`` timed batches runs traced: ABBA pairs (off on, on
+    off, ...), so a drift over the run hits both alike. Pure."""
+    return [(i % 2 == 1) != (i // 2 % 2 == 1) for i in range(2 * batches)]
 
 
 def stage_models(n_stages: int) -> list[str]:

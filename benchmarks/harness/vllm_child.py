@@ -20,6 +20,8 @@ from .vllm_cells import (
     OMNI_LOOPS,
     PROMPTS,
     TRACED,
+    TRACING_AB,
+    ab_order,
     bind_for,
     engine_args,
     omni_batch,
@@ -63,6 +65,8 @@ def child_main(a: argparse.Namespace) -> None:
             result = run_omni(a, OMNI_LOOPS[a.child])
         elif a.child == TRACED:
             result = run_omni(a, OMNI_LOOPS["omni"], traced=True)
+        elif a.child == TRACING_AB:
+            result = run_omni(a, OMNI_LOOPS["omni"], ab=True)
         else:
             result = run_hand(a)
     except Exception as exc:
@@ -105,15 +109,16 @@ def child_result(
     stop: dict[str, Any],
     idle: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    batches = len(timing["walls"])
     return {
         "batch_walls_s": timing["walls"],
         "requests_per_s": batch_throughput(timing["walls"], a.requests),
         "cpu_s": timing["cpu_s"],
         "cpu_ms_per_request_stage": cpu_ms_per_request_stage(
-            timing["cpu_s"], a.requests, a.batches, a.child_stages
+            timing["cpu_s"], a.requests, batches, a.child_stages
         ),
         "cpu_split_ms": cpu_split_ms_per_request_stage(
-            *timing["threads"], a.requests, a.batches, a.child_stages
+            *timing["threads"], a.requests, batches, a.child_stages
         ),
         "tokens_ok": timing["tokens_ok"],
         "init_s": init_s,
@@ -211,7 +216,68 @@ def _in_memory_tracer(config: Any) -> tuple[Any, Callable[[], int]]:
     return RequestTracer(config, provider), lambda: len(exporter.get_finished_spans())
 
 
-def run_omni(a: argparse.Namespace, loop: str, traced: bool = False) -> dict[str, Any]:
+async def run_ab_batches(
+    batch: Callable[[str], Awaitable[list[int]]],
+    tracing: Callable[[bool], None],
+    a: argparse.Namespace,
+) -> dict[str, Any]:
+    """:func:`run_batches` with tracing switched on and off between batches
+    (:func:`~harness.vllm_cells.ab_order`): the timing of every batch, and per mode its
+    median requests/s and CPU per request-stage; ``ratio`` and ``cpu_ratio`` are on/off."""
+    counts = await batch("warm")
+    ok = counts == [a.tokens] * a.requests
+    walls: list[float] = []
+    modes: dict[bool, dict[str, Any]] = {
+        m: {"walls": [], "cpu_s": 0.0, "threads": []} for m in (False, True)
+    }
+    cpu_all, threads_all = time.process_time(), thread_cpu()
+    for i, traced in enumerate(ab_order(a.batches)):
+        tracing(traced)
+        cpu0, threads0 = time.process_time(), thread_cpu()
+        t0 = time.perf_counter()
+        counts = await batch(f"b{i}")
+        wall = time.perf_counter() - t0
+        mode = modes[traced]
+        mode["walls"].append(wall)
+        mode["cpu_s"] += time.process_time() - cpu0
+        mode["threads"].append((threads0, thread_cpu()))
+        walls.append(wall)
+        ok = ok and counts == [a.tokens] * a.requests
+    tracing(False)
+    per_mode = {}
+    for traced, mode in modes.items():
+        n = len(mode["walls"])
+        split = {
+            group: sum(after[group] - before[group] for before, after in mode["threads"])
+            for group in ("loop", "engine_threads", "other")
+        }
+        per_mode["on" if traced else "off"] = {
+            "requests_per_s": batch_throughput(mode["walls"], a.requests),
+            "cpu_ms_per_request_stage": cpu_ms_per_request_stage(
+                mode["cpu_s"], a.requests, n, a.child_stages
+            ),
+            "cpu_split_ms": {
+                g: cpu_ms_per_request_stage(s, a.requests, n, a.child_stages)
+                for g, s in split.items()
+            },
+        }
+    on, off = per_mode["on"], per_mode["off"]
+    return {
+        "walls": walls,
+        "cpu_s": time.process_time() - cpu_all,
+        "threads": (threads_all, thread_cpu()),
+        "tokens_ok": ok,
+        "ab": {
+            **per_mode,
+            "ratio": on["requests_per_s"]["median"] / off["requests_per_s"]["median"],
+            "cpu_ratio": on["cpu_ms_per_request_stage"] / off["cpu_ms_per_request_stage"],
+        },
+    }
+
+
+def run_omni(
+    a: argparse.Namespace, loop: str, traced: bool = False, ab: bool = False
+) -> dict[str, Any]:
     import trio
     import vllm.v1.engine.async_llm  # noqa: F401 (imported before the clock starts, as in run_hand)
 
@@ -232,12 +298,28 @@ def run_omni(a: argparse.Namespace, loop: str, traced: bool = False) -> dict[str
                 if traced:
                     tracer, spans = _in_memory_tracer(engine.config)
                     engine.add_observer(tracer)
-                timing = await run_batches(
-                    lambda tag: omni_batch(engine, last, a.requests, tag),
-                    a.requests,
-                    a.tokens,
-                    a.batches,
-                )
+                if ab:
+                    tracer, spans = _in_memory_tracer(engine.config)
+
+                    attached = [False]
+
+                    def tracing(on: bool) -> None:
+                        if on and not attached[0]:
+                            engine.add_observer(tracer)
+                        elif attached[0] and not on:
+                            engine.remove_observer(tracer)
+                        attached[0] = on
+
+                    timing = await run_ab_batches(
+                        lambda tag: omni_batch(engine, last, a.requests, tag), tracing, a
+                    )
+                else:
+                    timing = await run_batches(
+                        lambda tag: omni_batch(engine, last, a.requests, tag),
+                        a.requests,
+                        a.tokens,
+                        a.batches,
+                    )
                 groups = engine_groups()
                 if a.idle_s > 0:
                     idle = await measure_idle(groups, trio.sleep, a.idle_s)
@@ -249,6 +331,8 @@ def run_omni(a: argparse.Namespace, loop: str, traced: bool = False) -> dict[str
         stops = engine_stops(groups, log.phases, watch.close(wait=LEFTOVER_GRACE_S))
         stop = stop_breakdown(m_close, m_closed, stops)
         result = child_result(timing, init_s, shutdown_s, procs, a, stop, idle)
+        if ab:
+            result["ab"] = timing["ab"]
         if spans is not None:
             result["spans"] = spans()
         return result

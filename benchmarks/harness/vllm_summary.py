@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .vllm_cells import OMNI_LOOPS, TRACED, VERSUS_HAND, Run, bind_for, cell_name
+from .vllm_cells import OMNI_LOOPS, TRACED, TRACING_AB, VERSUS_HAND, Run, bind_for, cell_name
 
 
 def batch_throughput(walls: Sequence[float], requests: int) -> dict[str, float]:
@@ -86,6 +86,14 @@ def summarize_cell(
         # tracing on against off, run for run (below 1: tracing costs throughput)
         versus["tracing_ratio"] = spread(paired_ratios(passes, _rps, TRACED, first))
         versus["tracing_cpu_ratio"] = spread(paired_ratios(passes, _cpu, TRACED, first))
+    if TRACING_AB in systems:
+        # tracing on against off, batch against batch in one process
+        abs_ = [ab for ab in per_pass(TRACING_AB, lambda r: r.get("ab")) if ab is not None]
+        versus["tracing_ab_ratio"] = spread([ab["ratio"] for ab in abs_])
+        versus["tracing_ab_cpu_ratio"] = spread([ab["cpu_ratio"] for ab in abs_])
+        versus["tracing_ab_cpu_split_ms_median"] = {
+            mode: _split_median([ab[mode]["cpu_split_ms"] for ab in abs_]) for mode in ("off", "on")
+        }
     return {
         "cell": cell_name(n_stages, layout),
         "stages": n_stages,
@@ -134,9 +142,15 @@ def summary_row(cell: dict[str, Any]) -> dict[str, Any]:
         if f"{s}_ratio" in cell:
             versus[f"cpu_ms_{s}"] = r3(cell["cpu_ms_per_request_stage_median"].get(s))
     kinds = ("ratio", "cpu_ratio")
-    for key in [f"{s}_{kind}" for s in (*VERSUS_HAND, "loop", "tracing") for kind in kinds]:
+    systems = (*VERSUS_HAND, "loop", "tracing", "tracing_ab")
+    for key in [f"{s}_{kind}" for s in systems for kind in kinds]:
         if key in cell:
             versus[key] = cell[key] and r3(cell[key]["median"])
+    if "tracing_ab_cpu_split_ms_median" in cell:
+        versus["tracing_ab_loop_ms"] = {
+            mode: split and r3(split["loop"])
+            for mode, split in cell["tracing_ab_cpu_split_ms_median"].items()
+        }
     return {
         "ratio": ratio and r3(ratio["median"]),
         "spread": ratio and [r3(ratio["min"]), r3(ratio["max"])],
@@ -216,6 +230,13 @@ def describe(run: Run, result: dict[str, Any]) -> str:
         f" (slowest engine's own stop {_seconds(stop['slowest_own_stop'])}, gap "
         f"{_seconds(stop['gap'])})"
         + ("" if result["tokens_ok"] else ", TOKENS MISSING")
+        + (
+            f", tracing on/off {result['ab']['ratio']:.3f} (cpu {result['ab']['cpu_ratio']:.3f},"
+            f" loop {result['ab']['off']['cpu_split_ms']['loop']:.2f} -> "
+            f"{result['ab']['on']['cpu_split_ms']['loop']:.2f} ms/request-stage)"
+            if "ab" in result
+            else ""
+        )
         + (_describe_idle(result["idle"]) if result.get("idle") else "")
         + (f", left at exit: {left['at_exit']}" if left["at_exit"] else "")
         + (
