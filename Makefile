@@ -39,8 +39,11 @@ test: $(STAMP)
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 # The fast deterministic suite only (scripted stages, MockClock): under a minute. No Ray.
+# Its tests share no state (no engine, port or directory between them), so it runs on
+# FAST_WORKERS processes (pytest-xdist); FAST_WORKERS=0 runs it in this one.
+FAST_WORKERS ?= 2
 test-fast: $(STAMP)
-	@$(BIN)/python -m pytest -q -m "not vllm and not slow and not ray" $(PYTEST_ARGS); rc=$$?; \
+	@$(BIN)/python -m pytest -q -n $(FAST_WORKERS) -m "not vllm and not slow and not ray" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 test-vllm: $(STAMP)
